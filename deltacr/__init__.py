@@ -1,0 +1,1 @@
+"""deltacr: see shared design; filled in by its own issue."""

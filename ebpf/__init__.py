@@ -1,0 +1,1 @@
+"""ebpf: see shared design; filled in by its own issue."""
