@@ -1,37 +1,82 @@
 /*
- * crabd-init: PID 1 of every crabd sandbox.
+ * crabd-init: PID 1 of every crabd sandbox, and the wrapper of every exec.
  *
  * crabd never relies on the image having an init (a busybox-only rootfs works
  * as well as Debian), so it bind-mounts this static binary read-only into the
- * sandbox's /dev and runs it as the container's process. It does the two jobs
- * of a container init and nothing else: reap every zombie re-parented to it
- * (agents leave plenty: `cmd &` in a shell that exits), and idle until it is
- * told to stop. SIGTERM, SIGINT and SIGHUP make it exit 0; everything else is
- * ignored so that a stray signal from inside the sandbox cannot end it.
+ * sandbox's /dev and runs it as the container's process.
  *
- * It holds no state worth checkpointing, which keeps CRIU dumps of a sandbox
- * small, and it is restored by CRIU like any other process.
+ * Mode 1, no arguments: PID 1. Reap every zombie re-parented to it (agents
+ * leave plenty: `cmd &` in a shell that exits) and idle. SIGTERM, SIGINT and
+ * SIGHUP make it exit 0; everything else is ignored so that a stray signal
+ * from inside the sandbox cannot end it. It holds no state worth
+ * checkpointing, which keeps CRIU dumps small.
+ *
+ * Mode 2, `--run STATUS_FIFO -- ARGV...`: run ARGV and report how it ended
+ * on STATUS_FIFO as one line: "X <exit code>", "S <signal>", or "E <errno>"
+ * when ARGV could not be executed. crabd runs execs with `runc exec
+ * --detach`, because a non-detached runc exec waits for end-of-file on the
+ * command's output, which a background server started by the command holds
+ * open forever; this line is how crabd learns that the command itself ended.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-int main(int argc, char **argv) {
+static int report(int fd, char kind, int value) {
+    char line[32];
+    int n = snprintf(line, sizeof line, "%c %d\n", kind, value);
+    return write(fd, line, (size_t)n) == n ? 0 : -1;
+}
+
+static int run(const char *fifo, char **argv) {
+    int fd = open(fifo, O_WRONLY | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0) {
+        fprintf(stderr, "crabd-init: open %s: %s\n", fifo, strerror(errno));
+        return 126;
+    }
+    pid_t child = fork();
+    if (child < 0) {
+        report(fd, 'E', errno);
+        return 126;
+    }
+    if (child == 0) {
+        execvp(argv[0], argv);
+        report(fd, 'E', errno);
+        _exit(127);
+    }
+    /* Signals meant for the command (crabd kills the whole tree) must not
+     * leave the command orphaned without a report: ignore the polite ones. */
+    signal(SIGINT, SIG_IGN);
+    signal(SIGTERM, SIG_IGN);
+    signal(SIGHUP, SIG_IGN);
+    int status;
+    while (waitpid(child, &status, 0) < 0) {
+        if (errno != EINTR)
+            return 126;
+    }
+    if (WIFEXITED(status)) {
+        /* After an exec failure the child's "E" line came first; crabd
+         * reads the first line only. */
+        report(fd, 'X', WEXITSTATUS(status));
+        return WEXITSTATUS(status);
+    }
+    report(fd, 'S', WTERMSIG(status));
+    return 128 + WTERMSIG(status);
+}
+
+static int init(void) {
     sigset_t all;
     int sig;
 
-    (void)argc;
-    (void)argv;
     if (getpid() != 1)
         fprintf(stderr, "crabd-init: not PID 1; reaping only own children\n");
-
     /* Handle signals synchronously: block them all, then wait for them. */
     sigfillset(&all);
     sigprocmask(SIG_BLOCK, &all, NULL);
-
     for (;;) {
         if (sigwait(&all, &sig) != 0)
             continue;
@@ -43,4 +88,14 @@ int main(int argc, char **argv) {
             return 0;
         }
     }
+}
+
+int main(int argc, char **argv) {
+    if (argc >= 5 && strcmp(argv[1], "--run") == 0 && strcmp(argv[3], "--") == 0)
+        return run(argv[2], argv + 4);
+    if (argc > 1) {
+        fprintf(stderr, "usage: crabd-init | crabd-init --run STATUS_FIFO -- ARGV...\n");
+        return 2;
+    }
+    return init();
 }

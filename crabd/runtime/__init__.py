@@ -1,0 +1,17 @@
+"""crabd.runtime: sandboxes as runc containers whose root is given as data.
+
+    rt = Runtime("/var/lib/crabd")
+    sb = rt.create("debian-py", name="agent-1")         # started
+    rt.exec(sb.id, ["python3", "-c", "print(1)"]).stdout  # '1\\n'
+    rt.freeze(sb.id); rt.thaw(sb.id)
+    rt.cgroup_v2_dir(sb.id)   # unified-hierarchy cgroup (BPF attribution)
+    rt.pids(sb.id)            # host pids of the sandbox's processes
+    rt.destroy(sb.id)
+"""
+
+from .cgroups import CgroupLayout, Freezer, detect_layout
+from .oci import Limits, build_config
+from .sandbox import DEFAULT_OUTPUT_LIMIT, ExecResult, Runtime, Sandbox
+
+__all__ = ["CgroupLayout", "Freezer", "detect_layout", "Limits", "build_config",
+           "DEFAULT_OUTPUT_LIMIT", "ExecResult", "Runtime", "Sandbox"]

@@ -1,0 +1,138 @@
+"""OCI runtime config for a sandbox, built as a pure function.
+
+What is in it, and why:
+- No `rlimits`: setrlimit is refused on these hosts and runc would fail.
+- crabd's own init (a static binary) bind-mounted read-only at
+  /dev/.crabd-init: /dev is a tmpfs, so the mount point leaves no trace in
+  the sandbox's root file system (and so none in its snapshots), and images
+  need no init of their own.
+- New network namespace: runc brings up loopback only; sandboxes have no
+  outside network unless crabd is told otherwise.
+- Docker's default capability set and device rules (mknod allowed, access
+  to devices not), masked /proc paths, read-only /sys.
+- No seccomp profile: CRIU dumps and restores seccomp state, but a profile
+  would be one more thing to keep in sync with CRIU's needs; the sandbox is
+  a container, not a security boundary against root in the sandbox.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Limits", "INIT_PATH", "RUN_PATH", "build_config", "DEFAULT_ENV"]
+
+INIT_PATH = "/dev/.crabd-init"
+# Per-sandbox host directory for exec status fifos (see init.c, mode 2).
+RUN_PATH = "/dev/.crabd"
+
+DEFAULT_ENV = (
+    "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME=/root",
+    "LANG=C.UTF-8",
+    "TERM=dumb",
+)
+
+_CAPS = [
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD",
+    "CAP_NET_RAW", "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE",
+]
+
+_MASKED = [
+    "/proc/asound", "/proc/acpi", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
+    "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi",
+    "/sys/firmware",
+]
+_READONLY = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """cgroup limits of a sandbox. None = no limit."""
+
+    memory_bytes: int | None = 2 * 1024**3
+    pids: int | None = 1024
+    cpus: float | None = None  # e.g. 1.5 = one and a half cores
+
+    def to_resources(self) -> dict[str, Any]:
+        res: dict[str, Any] = {
+            # Docker's defaults: deny all, allow mknod of any device (so an
+            # agent's tar of a rootfs works) and the usual pseudo devices.
+            "devices": [
+                {"allow": False, "access": "rwm"},
+                {"allow": True, "type": "c", "access": "m"},
+                {"allow": True, "type": "b", "access": "m"},
+                {"allow": True, "type": "c", "major": 1, "minor": 3, "access": "rwm"},   # null
+                {"allow": True, "type": "c", "major": 1, "minor": 5, "access": "rwm"},   # zero
+                {"allow": True, "type": "c", "major": 1, "minor": 7, "access": "rwm"},   # full
+                {"allow": True, "type": "c", "major": 1, "minor": 8, "access": "rwm"},   # random
+                {"allow": True, "type": "c", "major": 1, "minor": 9, "access": "rwm"},   # urandom
+                {"allow": True, "type": "c", "major": 5, "minor": 0, "access": "rwm"},   # tty
+                {"allow": True, "type": "c", "major": 5, "minor": 2, "access": "rwm"},   # ptmx
+                {"allow": True, "type": "c", "major": 136, "access": "rwm"},             # pts
+            ],
+        }
+        if self.memory_bytes is not None:
+            res["memory"] = {"limit": int(self.memory_bytes)}
+        if self.pids is not None:
+            res["pids"] = {"limit": int(self.pids)}
+        if self.cpus is not None:
+            period = 100_000
+            res["cpu"] = {"quota": int(self.cpus * period), "period": period}
+        return res
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"memory_bytes": self.memory_bytes, "pids": self.pids, "cpus": self.cpus}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Limits":
+        return cls(memory_bytes=d.get("memory_bytes"), pids=d.get("pids"), cpus=d.get("cpus"))
+
+
+def build_config(*, sandbox_id: str, init_source: str, run_source: str, cgroups_path: str, limits: Limits,
+                 env: tuple[str, ...] = DEFAULT_ENV, annotations: dict[str, str] | None = None,
+                 network_ns_path: str | None = None) -> dict[str, Any]:
+    """The config.json of a sandbox bundle whose root is `<bundle>/rootfs`."""
+    namespaces: list[dict[str, str]] = [{"type": t} for t in ("pid", "ipc", "uts", "mount")]
+    namespaces.append({"type": "network", "path": network_ns_path} if network_ns_path else {"type": "network"})
+    caps = list(_CAPS)
+    return {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": False,
+            "user": {"uid": 0, "gid": 0},
+            "args": [INIT_PATH],
+            "env": list(env),
+            "cwd": "/",
+            "capabilities": {"bounding": caps, "effective": caps, "permitted": caps},
+            "noNewPrivileges": False,
+        },
+        "root": {"path": "rootfs", "readonly": False},
+        "hostname": sandbox_id[:63],
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+            {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+             "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]},
+            {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+             "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
+            {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue",
+             "options": ["nosuid", "noexec", "nodev"]},
+            {"destination": "/sys", "type": "sysfs", "source": "sysfs",
+             "options": ["nosuid", "noexec", "nodev", "ro"]},
+            {"destination": INIT_PATH, "type": "bind", "source": init_source,
+             "options": ["bind", "ro", "nosuid", "nodev"]},
+            {"destination": RUN_PATH, "type": "bind", "source": run_source,
+             "options": ["bind", "rw", "nosuid", "nodev", "noexec"]},
+        ],
+        "annotations": dict(annotations or {}),
+        "linux": {
+            "cgroupsPath": cgroups_path,
+            "resources": limits.to_resources(),
+            "namespaces": namespaces,
+            "maskedPaths": list(_MASKED),
+            "readonlyPaths": list(_READONLY),
+        },
+    }

@@ -1,0 +1,521 @@
+"""Sandboxes: runc containers whose root file system is given as data.
+
+A sandbox lives in `<state>/sandboxes/<id>/`:
+
+    sandbox.json   what it is: id, name, image, limits, root mounts
+    bundle/        the OCI bundle: config.json, rootfs/ (mount point)
+    upper/ work/   the default root's writable overlay layer (when the
+                   caller gives no root mounts of its own)
+    init.log       whatever the sandbox's init and runc create printed
+
+The root is a list of `deltafs.Mount` specs mounted on `bundle/rootfs`
+before `runc create`: by default a plain overlay of the image; deltafs
+supplies snapshot mounts instead. runc's own state lives in `<state>/runc`
+so several crabd instances (tests) never see each other's containers.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import psutil
+
+from deltafs import Mount, is_mountpoint, mount_all, unmount
+
+from .. import config
+from ..errors import (CommandNotFound, ExecError, ExecTimeout, FailedPrecondition,
+                      InvalidArgument, NotFound, SandboxNotRunning)
+from ..images import ImageStore, validate_name
+from ..runner import Runner, SubprocessRunner
+from .cgroups import CgroupLayout, Freezer, detect_layout
+from .oci import DEFAULT_ENV, INIT_PATH, RUN_PATH, Limits, build_config
+
+__all__ = ["Sandbox", "ExecResult", "Runtime", "DEFAULT_OUTPUT_LIMIT"]
+
+DEFAULT_OUTPUT_LIMIT = 1 << 20  # bytes kept per stream of one exec
+_ID = re.compile(r"^sb-[0-9a-f]{10}$")
+
+
+@dataclass
+class Sandbox:
+    id: str
+    name: str
+    image: str
+    created_at: float
+    limits: Limits
+    root: list[Mount]
+    dir: Path
+    status: str = "unknown"  # runc's: created, running, paused, stopped; or absent
+    pid: int | None = None    # host pid of the sandbox's init while it runs
+    labels: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def bundle(self) -> Path:
+        return self.dir / "bundle"
+
+    @property
+    def rootfs(self) -> Path:
+        return self.bundle / "rootfs"
+
+    @property
+    def cgroup_rel(self) -> str:
+        return f"/crabd/{self.id}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id, "name": self.name, "image": self.image, "created_at": self.created_at,
+            "limits": self.limits.to_dict(), "root": [m.to_dict() for m in self.root],
+            "status": self.status, "pid": self.pid, "labels": dict(self.labels),
+        }
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    exit_code: int
+    stdout: str
+    stderr: str
+    duration: float
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"exit_code": self.exit_code, "stdout": self.stdout, "stderr": self.stderr,
+                "duration": self.duration, "stdout_truncated": self.stdout_truncated,
+                "stderr_truncated": self.stderr_truncated}
+
+
+def _marker(dropped: int) -> str:
+    return f"\n[crabd: output truncated: {dropped} more bytes not shown]\n"
+
+
+class Runtime:
+    """Create, run commands in, freeze, stop and destroy sandboxes.
+
+    Thread-safe per sandbox: lifecycle changes of one sandbox are serialised;
+    execs run concurrently.
+    """
+
+    def __init__(self, state_dir: Path | str | None = None, *, runner: Runner | None = None,
+                 layout: CgroupLayout | None = None, init_binary: Path | str | None = None,
+                 runc: str | None = None) -> None:
+        self.state_dir = Path(state_dir) if state_dir is not None else config.state_dir_from_env()
+        self.runner = runner or SubprocessRunner()
+        self._layout = layout
+        self.init_binary = Path(init_binary) if init_binary else config.init_binary()
+        self.runc_bin = runc or config.runc_binary()
+        self.sandboxes_dir = self.state_dir / "sandboxes"
+        self.runc_root = self.state_dir / "runc"
+        self.images = ImageStore(self.state_dir, runner=self.runner, users=self._image_users)
+        self._locks: dict[str, threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+        # `runc exec --detach` exits right after starting the command's
+        # wrapper. Its orphan would be re-parented to the host's init (not the
+        # sandbox's: runc lives in the host's pid namespace), and some inits
+        # never reap. As a child subreaper this process adopts the wrappers
+        # and reaps each one when its exec ends.
+        _become_subreaper()
+        self._unreaped: set[int] = set()
+        self._reap_guard = threading.Lock()
+
+    @property
+    def layout(self) -> CgroupLayout:
+        if self._layout is None:
+            self._layout = detect_layout()
+        return self._layout
+
+    # --- queries ---------------------------------------------------------------
+    def list(self) -> list[Sandbox]:
+        if not self.sandboxes_dir.is_dir():
+            return []
+        out = []
+        for d in sorted(self.sandboxes_dir.iterdir()):
+            if (d / "sandbox.json").is_file():
+                out.append(self._refresh(self._load(d)))
+        return out
+
+    def get(self, ref: str) -> Sandbox:
+        """A sandbox by id or name."""
+        if isinstance(ref, str) and _ID.match(ref) and (self.sandboxes_dir / ref / "sandbox.json").is_file():
+            return self._refresh(self._load(self.sandboxes_dir / ref))
+        if isinstance(ref, str) and re.match(r"^[A-Za-z0-9._-]{1,64}$", ref):
+            for sb in self.list():
+                if sb.name == ref:
+                    return sb
+        raise NotFound(f"no sandbox {ref!r}", fix="crabd sandbox ls lists the sandboxes")
+
+    def pids(self, ref: str) -> list[int]:
+        """Host pids of every process in the sandbox (from its cgroup)."""
+        sb = self.get(ref)
+        procs = self.layout.freezer_dir(sb.cgroup_rel) / "cgroup.procs"
+        try:
+            return [int(x) for x in procs.read_text().split()]
+        except FileNotFoundError:
+            return []
+
+    def cgroup_v2_dir(self, ref: str) -> Path | None:
+        """The sandbox's unified-hierarchy cgroup (what BPF attribution keys on)."""
+        return self.layout.v2_dir(self.get(ref).cgroup_rel)
+
+    # --- lifecycle ----------------------------------------------------------------
+    def create(self, image: str, *, name: str | None = None, limits: Limits | None = None,
+               root: Sequence[Mount] | None = None, start: bool = True,
+               labels: dict[str, str] | None = None, annotations: dict[str, str] | None = None) -> Sandbox:
+        """Create a sandbox from `image`; start it unless `start=False`.
+
+        `root` is the root file system as mount specs; by default a fresh
+        overlay whose lower layer is the image.
+        """
+        img = self.images.get(image)
+        if name is not None:
+            validate_name(name, "sandbox")
+            if any(s.name == name for s in self.list()):
+                raise_exists(name)
+        if not self.init_binary.is_file():
+            raise FailedPrecondition(f"crabd's sandbox init {self.init_binary} is missing",
+                                     fix="run scripts/setup-host (it builds crabd-init)")
+        sid = "sb-" + secrets.token_hex(5)
+        d = self.sandboxes_dir / sid
+        (d / "bundle" / "rootfs").mkdir(parents=True)
+        (d / "run").mkdir(mode=0o700)
+        if root is None:
+            (d / "upper").mkdir()
+            (d / "work").mkdir()
+            root = [Mount("overlay", "overlay", (f"lowerdir={img.path}", f"upperdir={d / 'upper'}",
+                                                 f"workdir={d / 'work'}", "index=off"))]
+        sb = Sandbox(id=sid, name=name or sid, image=image, created_at=time.time(), limits=limits or Limits(),
+                     root=list(root), dir=d, labels=dict(labels or {}))
+        env = _merge_env(DEFAULT_ENV, tuple(img.env))
+        cfg = build_config(sandbox_id=sid, init_source=str(self.init_binary), run_source=str(d / "run"),
+                           cgroups_path=sb.cgroup_rel,
+                           limits=sb.limits, env=env, annotations=annotations)
+        (d / "bundle" / "config.json").write_text(json.dumps(cfg, indent=2))
+        self._save(sb)
+        if start:
+            try:
+                self.start(sid)
+            except BaseException:
+                self.destroy(sid)
+                raise
+        return self.get(sid)
+
+    def start(self, ref: str) -> Sandbox:
+        """Mount the root and start the sandbox's init (a new runc container)."""
+        sb = self.get(ref)
+        with self._lock(sb.id):
+            if sb.status in ("running", "paused"):
+                return sb
+            if sb.status in ("created", "stopped"):
+                self._runc("delete", "--force", sb.id, check=False)
+            if not is_mountpoint(str(sb.rootfs)):
+                mount_all(sb.root, str(sb.rootfs))
+            pidfile = sb.dir / "init.pid"
+            self._runc("create", "--bundle", str(sb.bundle), "--pid-file", str(pidfile), sb.id,
+                       log=str(sb.dir / "init.log"), context=f"runc create of sandbox {sb.id}")
+            self._runc("start", sb.id, context=f"runc start of sandbox {sb.id}")
+        return self.get(sb.id)
+
+    def freeze(self, ref: str) -> None:
+        sb = self._running(ref)
+        Freezer(self.layout, sb.cgroup_rel).freeze()
+
+    def thaw(self, ref: str) -> None:
+        sb = self.get(ref)
+        if sb.status not in ("running", "paused"):
+            raise SandboxNotRunning(f"sandbox {sb.id} is {sb.status}")
+        Freezer(self.layout, sb.cgroup_rel).thaw()
+
+    def stop(self, ref: str, *, timeout: float = 10.0) -> Sandbox:
+        """Kill every process of the sandbox and delete its runc container.
+        The root stays mounted and the sandbox can be started again."""
+        sb = self.get(ref)
+        with self._lock(sb.id):
+            self._stop_locked(sb, timeout)
+        return self.get(sb.id)
+
+    def destroy(self, ref: str) -> None:
+        """Kill everything, unmount the root, remove the bundle and its dir.
+        Leaves no mounts and no cgroups behind."""
+        sb = self.get(ref)
+        with self._lock(sb.id):
+            self._stop_locked(sb, 10.0)
+            if is_mountpoint(str(sb.rootfs)):
+                try:
+                    unmount(str(sb.rootfs))
+                except OSError:
+                    # Something still holds it (a shell cd'ed into it on the
+                    # host); detach so it goes when released.
+                    unmount(str(sb.rootfs), detach=True)
+            if is_mountpoint(str(sb.rootfs)):
+                # Never delete through a mounted root: that would delete the image.
+                raise FailedPrecondition(f"root of sandbox {sb.id} is still mounted at {sb.rootfs}",
+                                         fix=f"umount {sb.rootfs}, then retry")
+            shutil.rmtree(sb.dir)
+        with self._locks_guard:
+            self._locks.pop(sb.id, None)
+
+    # --- commands ---------------------------------------------------------------
+    def exec(self, ref: str, cmd: Sequence[str] | str, *, env: dict[str, str] | None = None,
+             cwd: str | None = None, stdin: bytes | str | None = None, timeout: float | None = 600.0,
+             output_limit: int = DEFAULT_OUTPUT_LIMIT) -> ExecResult:
+        """Run `cmd` in the sandbox and return when it ends.
+
+        `cmd` is an argv list, or a string run by /bin/sh -c. Output beyond
+        `output_limit` bytes per stream is dropped and a marker says how much.
+        Processes the command leaves in the background keep running.
+        """
+        sb = self._running(ref)
+        if isinstance(cmd, str):
+            argv = ["/bin/sh", "-c", cmd]
+        else:
+            argv = list(cmd)
+        if not argv or not all(isinstance(a, str) for a in argv):
+            raise InvalidArgument("cmd must be a non-empty list of strings or a shell string")
+        if any("\0" in a for a in argv):
+            raise InvalidArgument("cmd contains a NUL byte")
+        if timeout is not None and timeout <= 0:
+            raise InvalidArgument("timeout must be positive")
+        img_env = _image_env(self, sb)
+        full_env = _merge_env(_merge_env(DEFAULT_ENV, img_env), tuple(f"{k}={v}" for k, v in (env or {}).items()))
+        tok = secrets.token_hex(6)
+        pidfile = sb.dir / f"exec-{tok}.pid"
+        fifo = sb.dir / "run" / f"exec-{tok}.fifo"
+        os.mkfifo(fifo, 0o600)
+        # O_RDWR: we hold a writer too, so the fifo never reads as end-of-file
+        # before the wrapper has opened it; completion is the status line.
+        status_fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        rargv = [self.runc_bin, "--root", str(self.runc_root), "exec", "--detach", "--pid-file", str(pidfile)]
+        rargv += ["--cwd", cwd or _image_workdir(self, sb)]
+        for e in full_env:
+            rargv += ["--env", e]
+        rargv += [sb.id, INIT_PATH, "--run", f"{RUN_PATH}/{fifo.name}", "--", *argv]
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+
+        def kill_tree() -> None:
+            _kill_tree_from_pidfile(pidfile)
+
+        def wrapper_alive() -> bool:
+            return _pid_alive(pidfile)
+
+        try:
+            cap = self.runner.capture(rargv, timeout=timeout, input=data, cap=output_limit, on_timeout=kill_tree,
+                                      status_fd=status_fd, still_running=wrapper_alive)
+            self._reap(_read_pid(pidfile))
+        finally:
+            os.close(status_fd)
+            fifo.unlink(missing_ok=True)
+            pidfile.unlink(missing_ok=True)
+        out = cap.stdout.decode(errors="replace")
+        err = cap.stderr.decode(errors="replace")
+        if cap.stdout_dropped:
+            out += _marker(cap.stdout_dropped)
+        if cap.stderr_dropped:
+            err += _marker(cap.stderr_dropped)
+        if cap.timed_out:
+            raise ExecTimeout(f"command {argv[0]!r} in sandbox {sb.id} did not finish within {timeout}s; it was killed",
+                              stdout=out, stderr=err, timeout=timeout or 0.0)
+        kind, _, value = (cap.status or "").partition(" ")
+        if kind == "X":
+            code = int(value)
+        elif kind == "S":
+            code = 128 + int(value)
+        elif kind == "E":
+            eno = int(value)
+            if eno == errno.ENOENT:
+                raise CommandNotFound(f"command {argv[0]!r} not found in sandbox {sb.id}",
+                                      fix="check the program exists in the image and is on PATH, or pass a shell string")
+            raise ExecError(f"could not execute {argv[0]!r} in sandbox {sb.id}: {os.strerror(eno)}")
+        else:
+            if cap.returncode != 0:
+                if self._status(sb.id)[0] != "running":
+                    raise SandboxNotRunning(f"sandbox {sb.id} is not running", fix="roll it back or recreate it")
+                raise ExecError(f"runc exec failed in sandbox {sb.id}: {(err.strip().splitlines() or ['?'])[-1]}")
+            # The wrapper vanished without a report: killed from outside
+            # (OOM killer, the sandbox stopping).
+            if self._status(sb.id)[0] != "running":
+                raise SandboxNotRunning(f"sandbox {sb.id} stopped while running {argv[0]!r}",
+                                        fix="roll it back or recreate it")
+            code = 137
+            err += f"\n[crabd: {argv[0]!r} was killed before it could report its exit status]\n"
+        return ExecResult(exit_code=code, stdout=out, stderr=err, duration=cap.duration,
+                          stdout_truncated=bool(cap.stdout_dropped), stderr_truncated=bool(cap.stderr_dropped))
+
+    # --- internals -------------------------------------------------------------------
+    def _reap(self, pid: int | None) -> None:
+        """Reap an exec wrapper we adopted, and any earlier ones still due."""
+        with self._reap_guard:
+            if pid is not None:
+                self._unreaped.add(pid)
+            deadline = time.monotonic() + 0.5
+            for p in sorted(self._unreaped):
+                while True:
+                    try:
+                        done, _ = os.waitpid(p, os.WNOHANG)
+                    except ChildProcessError:
+                        done = p  # not ours (reaped elsewhere): forget it
+                    if done == p:
+                        self._unreaped.discard(p)
+                        break
+                    if p != pid or time.monotonic() > deadline:
+                        break  # still running: try again on a later exec
+                    time.sleep(0.0005)
+
+    def _running(self, ref: str) -> Sandbox:
+        sb = self.get(ref)
+        if sb.status == "paused":
+            raise FailedPrecondition(f"sandbox {sb.id} is frozen", fix="thaw it first")
+        if sb.status != "running":
+            raise SandboxNotRunning(f"sandbox {sb.id} is not running (status: {sb.status})",
+                                    fix=f"crabd sandbox start {sb.id}, roll it back, or recreate it")
+        return sb
+
+    def _stop_locked(self, sb: Sandbox, timeout: float) -> None:
+        status, _ = self._status(sb.id)
+        if status == "absent":
+            return
+        if status == "paused":
+            # SIGKILL is not delivered to frozen tasks until they thaw.
+            try:
+                Freezer(self.layout, sb.cgroup_rel).thaw()
+            except FailedPrecondition:
+                pass
+        if status in ("running", "paused", "created"):
+            self._runc("kill", sb.id, "KILL", check=False)
+            deadline = time.monotonic() + timeout
+            while self._status(sb.id)[0] not in ("stopped", "absent"):
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+        self._runc("delete", "--force", sb.id, check=False, context=f"runc delete of {sb.id}")
+        if self._status(sb.id)[0] != "absent":
+            raise FailedPrecondition(f"sandbox {sb.id} could not be stopped", fix=f"runc --root {self.runc_root} delete --force {sb.id}")
+
+    def _status(self, sid: str) -> tuple[str, int | None]:
+        res = self._runc("state", sid, check=False)
+        if res.returncode != 0:
+            return "absent", None
+        st = json.loads(res.stdout)
+        return st.get("status", "unknown"), (st.get("pid") or None)
+
+    def _refresh(self, sb: Sandbox) -> Sandbox:
+        sb.status, sb.pid = self._status(sb.id)
+        if sb.status == "stopped":
+            sb.pid = None
+        return sb
+
+    def _runc(self, *args: str, check: bool = True, context: str = "", log: str | None = None):  # type: ignore[no-untyped-def]
+        argv = [self.runc_bin, "--root", str(self.runc_root), *args]
+        return self.runner.run(argv, timeout=60, check=check, context=context or f"runc {args[0]}", log=log)
+
+    def _lock(self, sid: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks.setdefault(sid, threading.Lock())
+
+    def _save(self, sb: Sandbox) -> None:
+        data = sb.to_dict()
+        for k in ("status", "pid"):
+            data.pop(k)
+        tmp = sb.dir / "sandbox.json.tmp"
+        tmp.write_text(json.dumps(data, indent=2))
+        os.replace(tmp, sb.dir / "sandbox.json")
+
+    def _load(self, d: Path) -> Sandbox:
+        data = json.loads((d / "sandbox.json").read_text())
+        return Sandbox(id=data["id"], name=data["name"], image=data["image"], created_at=data["created_at"],
+                       limits=Limits.from_dict(data["limits"]), root=[Mount.from_dict(m) for m in data["root"]],
+                       dir=d, labels=data.get("labels") or {})
+
+    def _image_users(self, image: str) -> list[str]:
+        out = []
+        if self.sandboxes_dir.is_dir():
+            for d in self.sandboxes_dir.iterdir():
+                try:
+                    if json.loads((d / "sandbox.json").read_text())["image"] == image:
+                        out.append(d.name)
+                except (FileNotFoundError, KeyError, json.JSONDecodeError):
+                    continue
+        return out
+
+
+def raise_exists(name: str) -> None:
+    from ..errors import AlreadyExists
+    raise AlreadyExists(f"a sandbox named {name!r} already exists", fix="pick another name or remove that sandbox")
+
+
+def _merge_env(base: tuple[str, ...], extra: tuple[str, ...]) -> tuple[str, ...]:
+    """Later entries override earlier ones by variable name. Pure."""
+    merged: dict[str, str] = {}
+    for e in (*base, *extra):
+        k, _, v = e.partition("=")
+        if not k:
+            continue
+        merged[k] = v
+    return tuple(f"{k}={v}" for k, v in merged.items())
+
+
+def _image_env(rt: Runtime, sb: Sandbox) -> tuple[str, ...]:
+    try:
+        return tuple(rt.images.get(sb.image).env)
+    except NotFound:
+        return ()
+
+
+def _image_workdir(rt: Runtime, sb: Sandbox) -> str:
+    try:
+        return rt.images.get(sb.image).workdir or "/"
+    except NotFound:
+        return "/"
+
+
+def _become_subreaper() -> None:
+    import ctypes
+    PR_SET_CHILD_SUBREAPER = 36
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _read_pid(pidfile: Path) -> int | None:
+    try:
+        return int(pidfile.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _pid_alive(pidfile: Path) -> bool:
+    """Is the process named by `pidfile` alive (not gone, not a zombie)?"""
+    pid = _read_pid(pidfile)
+    if pid is None:
+        return False
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _kill_tree_from_pidfile(pidfile: Path) -> None:
+    """SIGKILL an exec'd process and every descendant (host side)."""
+    try:
+        pid = int(pidfile.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+
