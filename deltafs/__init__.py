@@ -1,9 +1,66 @@
 """deltafs: copy-on-write file-system snapshots for sandboxes.
 
-A library usable without the crabd daemon (it never imports `crabd`). Mount
-specs are data (`Mount`); `mount_all` performs them.
+A library usable without the crabd daemon (it never imports `crabd`).
+`open(state_dir)` returns a `Snapshotter` (see deltafs.snapshotter for the
+lifecycle and a worked example); its operations return mount specs as data
+(`Mount`), and `mount_all` performs them. Drivers: `btrfs` (subvolumes and
+read-only snapshots; a loop-backed pool when the state dir is not on btrfs)
+and `overlay` (overlayfs layers; any file system).
 """
 
-from .mount import Mount, MountError, is_mountpoint, mount_all, unmount
+from __future__ import annotations
 
-__all__ = ["Mount", "MountError", "is_mountpoint", "mount_all", "unmount"]
+import os
+
+from .errors import AlreadyExists, DeltafsError, FailedPrecondition, InvalidArgument, NotFound
+from .mount import Mount, MountError, is_mountpoint, mount_all, unmount
+from .snapshotter import Info, Kind, Snapshotter, Usage
+from .tree import Change, Entry
+
+__all__ = [
+    "open", "Snapshotter", "Info", "Usage", "Kind", "Change", "Entry",
+    "Mount", "MountError", "is_mountpoint", "mount_all", "unmount",
+    "DeltafsError", "NotFound", "AlreadyExists", "FailedPrecondition", "InvalidArgument",
+    "DRIVERS",
+]
+
+DRIVERS = ("btrfs", "overlay")
+
+
+def _stored_driver(state_dir: str) -> str | None:
+    import sqlite3
+
+    db = os.path.join(state_dir, "metadata.db")
+    if not os.path.exists(db):
+        return None
+    con = sqlite3.connect(db)
+    try:
+        r = con.execute("SELECT v FROM meta WHERE k='driver'").fetchone()
+        return r[0] if r else None
+    except sqlite3.Error:
+        return None
+    finally:
+        con.close()
+
+
+def open(state_dir: str, driver: str = "auto", **options: object) -> Snapshotter:
+    """Open (creating if needed) the snapshot store in `state_dir`.
+
+    driver: "btrfs", "overlay" or "auto" (the driver the directory was created
+    with; for a new one btrfs when the kernel and btrfs-progs allow, else
+    overlay). btrfs options: pool_size (bytes, sparse; default 20 GiB).
+    overlay options: max_depth (default 16).
+    """
+    if driver == "auto":
+        from .btrfs import btrfs_available
+
+        driver = _stored_driver(state_dir) or ("btrfs" if btrfs_available() else "overlay")
+    if driver == "btrfs":
+        from .btrfs import BtrfsSnapshotter
+
+        return BtrfsSnapshotter(state_dir, **options)  # type: ignore[arg-type]
+    if driver == "overlay":
+        from .overlay import OverlaySnapshotter
+
+        return OverlaySnapshotter(state_dir, **options)  # type: ignore[arg-type]
+    raise InvalidArgument(f"unknown deltafs driver {driver!r}; use one of {', '.join(DRIVERS)} or 'auto'")

@@ -1,0 +1,512 @@
+"""The overlay driver: committed snapshots are overlayfs layers; works on any file system.
+
+An active snapshot is an overlay mount: lowerdir = the layer chain of its
+parent (top-most first), upperdir/workdir of its own. A checkpoint captures,
+while the sandbox is frozen, the delta of the upper dir since the previous
+checkpoint of the same active (tracked by a manifest of (inode, ctime) per
+path), into a new layer in overlay's own format: changed entries are copied
+(reflink where the file system supports it), deleted ones become whiteouts
+(0/0 char devices), replaced directories become opaque
+(``trusted.overlay.opaque=y``). The mount stays live: the upper dir keeps
+everything, only the capture is incremental. A rollback or fork is a new
+overlay mount of the chain. `compact` merges runs of layers (logic in
+`layers.merge_plan`) so chains stay <= `max_depth` (16) deep.
+
+Layout under the state dir::
+
+    l/<id>            layer of committed snapshot <id>
+    m/<id>            merged layer <id> (compaction), shared by later chains
+    a/<id>/u, a/<id>/w upper and work dir of active snapshot <id>
+    a/<id>/manifest.<cid>  upper-dir manifest as of checkpoint <cid>
+    a/<id>/stage/     pre-copies made by prepare_checkpoint()
+    tmp/<...>         being created; renamed into place inside the metadata tx
+    v/<n>             short-lived read-only mounts used by diff/usage/tree
+    empty/            the empty bottom layer (an overlay needs one lower dir)
+
+Paths inside mount options are absolute; with depth <= 16 they fit easily in
+the one page mount(2) accepts (`layers.overlay_options` checks).
+"""
+
+from __future__ import annotations
+
+import marshal
+import os
+import stat
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from .errors import FailedPrecondition
+from .layers import LayerEntry, check_layer_path, merge_plan, overlay_mount
+from .metadata import Row
+from .mount import Mount, mount_all, unmount
+from .snapshotter import Kind, Snapshotter, Usage, _failpoint
+from .tree import O_DIR, Copier, copy_root_meta, remove_tree, walk_fd
+
+__all__ = ["OverlaySnapshotter", "plan_capture", "Node", "DEFAULT_MAX_DEPTH"]
+
+DEFAULT_MAX_DEPTH = 16
+OPAQUE = "trusted.overlay.opaque"
+_OPAQUE_X = ((OPAQUE, b"y"),)
+
+
+def _keep_xattr(name: str) -> bool:
+    # trusted.overlay.* in an upper dir is overlay's bookkeeping (origin,
+    # impure, opaque); the sandbox cannot set it through the mount. Opacity is
+    # decided by plan_capture, the rest means nothing in a layer.
+    return not name.startswith("trusted.overlay.")
+
+
+# Manifest node: [ino, ctime_ns, ifmt, opaque, children | None]. Lists so
+# that marshal stores them compactly.
+Node = list
+
+
+def _node(st: os.stat_result, opaque: bool = False, children: dict | None = None) -> Node:
+    return [st.st_ino, st.st_ctime_ns, stat.S_IFMT(st.st_mode), opaque, children]
+
+
+def _join(rel: bytes, name: bytes) -> bytes:
+    return rel + b"/" + name if rel else name
+
+
+def plan_capture(prev: dict[bytes, Node] | None, cur: dict[bytes, Node], rel: bytes = b"",
+                 full: bool = False) -> list[tuple[str, bytes, bool]]:
+    """Actions that turn the layer chain as of manifest `prev` into the upper dir's state `cur`. Pure.
+
+    `prev`/`cur` are the children of one directory (name -> Node). Returns
+    ("dir", path, opaque) / ("copy", path, False) / ("whiteout", path, False),
+    parents before children. Rules:
+
+    * a path new since `prev`: copied (dirs keep the upper dir's opacity: a
+      non-opaque new dir is a copy-up merging with the lower chain);
+    * a path whose inode or type changed: replaced; a replaced dir is opaque
+      (it hides what earlier captures put below it) and all its content is new;
+    * same inode, ctime moved: copied (ctime moves on every write, chmod,
+      chown, xattr and link-count change);
+    * a dir with changed descendants is created (not opaque) to hold them;
+    * a path in `prev` gone from `cur`: whiteout (an earlier layer has it).
+    """
+    out: list[tuple[str, bytes, bool]] = []
+    prev = {} if prev is None or full else prev
+    for name in sorted(cur):
+        node = cur[name]
+        p = _join(rel, name)
+        old = prev.get(name)
+        is_dir = node[2] == stat.S_IFDIR
+        if old is None:
+            if is_dir:
+                out.append(("dir", p, bool(node[3])))
+                out.extend(plan_capture(None, node[4] or {}, p, full=True))
+            else:
+                out.append(("copy", p, False))
+        elif old[0] != node[0] or old[2] != node[2]:
+            if is_dir:
+                out.append(("dir", p, True))
+                out.extend(plan_capture(None, node[4] or {}, p, full=True))
+            else:
+                out.append(("copy", p, False))
+        elif is_dir:
+            sub = plan_capture(old[4] or {}, node[4] or {}, p)
+            if sub or old[1] != node[1]:
+                out.append(("dir", p, False))
+                out.extend(sub)
+        elif old[1] != node[1]:
+            out.append(("copy", p, False))
+    if not full:
+        for name in sorted(set(prev) - set(cur)):
+            out.append(("whiteout", _join(rel, name), False))
+    return out
+
+
+def _is_opaque(dir_fd: int, name: bytes) -> bool:
+    try:
+        return os.getxattr(b"/proc/self/fd/%d/%s" % (dir_fd, name), OPAQUE, follow_symlinks=False) == b"y"
+    except OSError:
+        return False
+
+
+def scan_manifest(root_fd: int) -> Node:
+    """Manifest of a whole upper dir (lstat only, plus the opaque flag of dirs)."""
+    root = _node(os.fstat(root_fd), False, {})
+    dirs: dict[bytes, Node] = {b"": root}
+    for path, pfd, name, st in walk_fd(root_fd):
+        parent = dirs[path[: path.rfind(b"/")] if b"/" in path else b""]
+        if stat.S_ISDIR(st.st_mode):
+            n = _node(st, _is_opaque(pfd, name), {})
+            dirs[path] = n
+        else:
+            n = _node(st)
+        parent[4][name] = n
+    return root
+
+
+class _FdCache:
+    """Dir fds of a tree by relative path, opened with O_NOFOLLOW one level at a time."""
+
+    def __init__(self, root_fd: int) -> None:
+        self.fds = {b"": root_fd}
+        self.owned: list[int] = []
+
+    def parent(self, path: bytes) -> tuple[int, bytes]:
+        i = path.rfind(b"/")
+        if i < 0:
+            return self.fds[b""], path
+        return self.dir(path[:i]), path[i + 1:]
+
+    def dir(self, rel: bytes) -> int:
+        fd = self.fds.get(rel)
+        if fd is None:
+            pfd, name = self.parent(rel)
+            fd = os.open(name, O_DIR, dir_fd=pfd)
+            self.fds[rel] = fd
+            self.owned.append(fd)
+        return fd
+
+    def close(self) -> None:
+        for fd in self.owned:
+            os.close(fd)
+        self.owned.clear()
+
+
+class OverlaySnapshotter(Snapshotter):
+    driver = "overlay"
+
+    def __init__(self, state_dir: str, max_depth: int = DEFAULT_MAX_DEPTH) -> None:
+        super().__init__(state_dir)
+        check_layer_path(self.state_dir)
+        if max_depth < 2:
+            raise ValueError("max_depth must be >= 2")
+        self.max_depth = max_depth
+        for d in ("l", "m", "a", "tmp", "v", "empty"):
+            os.makedirs(os.path.join(self.state_dir, d), mode=0o700, exist_ok=True)
+        self._staged: dict[int, dict[bytes, tuple[int, int, str]]] = {}
+        self._vseq = 0
+        self._check_overlay()
+
+    def _check_overlay(self) -> None:
+        with open("/proc/filesystems") as f:
+            if not any(line.split()[-1] == "overlay" for line in f if line.strip()):
+                if not os.path.exists(f"/lib/modules/{os.uname().release}/kernel/fs/overlayfs"):
+                    raise FailedPrecondition("the kernel has no overlayfs: modprobe overlay, or use driver='btrfs'")
+
+    # ---- paths --------------------------------------------------------------------------
+    def _abs(self, rel: str) -> str:
+        return os.path.join(self.state_dir, rel)
+
+    def _active_dir(self, id: int) -> str:
+        return self._abs(f"a/{id}")
+
+    def _chain(self, row: Row | None) -> list[str]:
+        return list(row.extra["chain"]) if row else []
+
+    def _lowers(self, chain: list[str]) -> list[str]:
+        return [self._abs(c) for c in chain] + [self._abs("empty")]
+
+    # ---- hooks --------------------------------------------------------------------------
+    def _create_active(self, row: Row, parent: Row | None) -> dict[str, Any]:
+        if parent is not None and len(self._chain(parent)) > self.max_depth:
+            self._compact_row(parent)
+        tmp = self._abs(f"tmp/a{row.id}")
+        remove_tree(tmp)
+        remove_tree(self._active_dir(row.id))  # leftover of a crash that reused this id
+        os.makedirs(os.path.join(tmp, "u"), mode=0o755)
+        os.mkdir(os.path.join(tmp, "w"), 0o700)
+        os.rename(tmp, self._active_dir(row.id))
+        return {"lowers": self._chain(parent), "manifest": None}
+
+    def _create_view(self, row: Row, parent: Row) -> dict[str, Any]:
+        return {}
+
+    def _mounts(self, row: Row) -> list[Mount]:
+        if row.kind == Kind.VIEW:
+            assert row.parent is not None
+            return [overlay_mount(self._lowers(self._chain(self.meta.by_id(row.parent))))]
+        d = self._active_dir(row.id)
+        return [overlay_mount(self._lowers(row.extra["lowers"]), os.path.join(d, "u"), os.path.join(d, "w"))]
+
+    def _load_manifest(self, row: Row) -> Node | None:
+        m = row.extra.get("manifest")
+        if m is None:
+            return None
+        with open(os.path.join(self._active_dir(row.id), f"manifest.{m}"), "rb") as f:
+            return marshal.load(f)
+
+    def _capture(self, active: Row, new: Row) -> tuple[dict[str, Any], dict[str, Any]]:
+        prev = self._load_manifest(active)
+        adir = self._active_dir(active.id)
+        layer = self._abs(f"l/{new.id}")
+        tmp = self._abs(f"tmp/l{new.id}")
+        remove_tree(tmp)
+        remove_tree(layer)
+        parent = self.meta.by_id(active.parent) if active.parent else None
+        chain = [f"l/{new.id}"] + self._chain(parent)
+        os.mkdir(tmp, 0o755)
+        ufd = os.open(os.path.join(adir, "u"), O_DIR)
+        lfd = os.open(tmp, O_DIR)
+        staged = self._staged.pop(active.id, {})
+        try:
+            cur = scan_manifest(ufd)
+            actions = plan_capture(prev[4] if prev else {}, cur[4] or {})
+            self._apply(ufd, lfd, actions, staged, os.path.join(adir, "stage"))
+            os.fsync(lfd)
+        finally:
+            os.close(ufd)
+            os.close(lfd)
+        _failpoint("overlay-after-copy")
+        # The manifest is named after the new snapshot id: if this transaction
+        # does not commit, the active's extra still names the previous one.
+        mpath = os.path.join(adir, f"manifest.{new.id}")
+        with open(mpath + ".tmp", "wb") as f:
+            marshal.dump(cur, f)
+        os.rename(mpath + ".tmp", mpath)
+        os.rename(tmp, layer)
+        _failpoint("overlay-after-rename")
+        extra = dict(active.extra)
+        extra["manifest"] = new.id
+        return {"chain": chain}, extra
+
+    def _apply(self, ufd: int, lfd: int, actions: list[tuple[str, bytes, bool]],
+               staged: dict[bytes, tuple[int, int, str]], stage_dir: str) -> Copier:
+        copier = Copier(lfd, _keep_xattr)
+        copy_root_meta(ufd, lfd, _keep_xattr)
+        src = _FdCache(ufd)
+        dirs: list[tuple[bytes, os.stat_result]] = []
+        try:
+            for act, path, opaque in actions:
+                if act == "whiteout":
+                    copier.whiteout(path)
+                    continue
+                pfd, name = src.parent(path)
+                st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+                s = staged.get(path)
+                if act == "copy" and s and s[0] == st.st_ino and s[1] == st.st_ctime_ns and st.st_nlink == 1:
+                    os.rename(os.path.join(stage_dir, s[2]), path, dst_dir_fd=lfd)
+                    copier.entries += 1
+                    continue
+                copier.copy(pfd, name, st, path, _OPAQUE_X if opaque else ())
+                if act == "dir":
+                    dirs.append((path, st))
+            for path, st in reversed(dirs):
+                copier.finish_dir(path, st)
+            copier.finish_dir(b"", os.fstat(ufd))
+        finally:
+            src.close()
+        return copier
+
+    def _prepare_checkpoint(self, row: Row) -> None:
+        # Pre-copy the regular files the next capture would copy, while the
+        # sandbox runs; the frozen capture re-checks (ino, ctime) and renames
+        # the pre-copy into the layer when the file did not change since.
+        prev = self._load_manifest(row)
+        adir = self._active_dir(row.id)
+        stage = os.path.join(adir, "stage")
+        remove_tree(stage)
+        os.mkdir(stage, 0o700)
+        ufd = os.open(os.path.join(adir, "u"), O_DIR)
+        sfd = os.open(stage, O_DIR)
+        staged: dict[bytes, tuple[int, int, str]] = {}
+        try:
+            cur = scan_manifest(ufd)
+            copier = Copier(sfd, _keep_xattr)
+            src = _FdCache(ufd)
+            try:
+                for act, path, _ in plan_capture(prev[4] if prev else {}, cur[4] or {}):
+                    if act != "copy":
+                        continue
+                    pfd, name = src.parent(path)
+                    try:
+                        st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+                        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                            continue
+                        sname = str(len(staged))
+                        copier.copy(pfd, name, st, sname.encode())
+                    except OSError:
+                        continue  # changed under us: the capture copies it
+                    staged[path] = (st.st_ino, st.st_ctime_ns, sname)
+            finally:
+                src.close()
+        finally:
+            os.close(ufd)
+            os.close(sfd)
+        self._staged[row.id] = staged
+
+    def _discard(self, row: Row) -> None:
+        try:
+            if row.kind == Kind.COMMITTED:
+                remove_tree(self._abs(f"l/{row.id}"))
+            elif row.kind == Kind.ACTIVE:
+                self._staged.pop(row.id, None)
+                remove_tree(self._active_dir(row.id))
+        except OSError:
+            pass  # best-effort; gc() retries
+
+    def _gc_disk(self, rows: list[Row]) -> list[str]:
+        removed: list[str] = []
+        committed = {str(r.id) for r in rows if r.kind == Kind.COMMITTED}
+        active = {str(r.id): r for r in rows if r.kind == Kind.ACTIVE}
+        referenced = set()
+        for r in rows:
+            referenced.update(r.extra.get("chain", []))
+            referenced.update(r.extra.get("lowers", []))
+
+        def rm(p: str) -> None:
+            try:
+                remove_tree(p)
+                removed.append(p)
+            except OSError:
+                pass
+
+        for name in os.listdir(self._abs("tmp")):
+            rm(self._abs(f"tmp/{name}"))
+        for name in os.listdir(self._abs("v")):
+            unmount(self._abs(f"v/{name}"), detach=True)
+            rm(self._abs(f"v/{name}"))
+        for name in os.listdir(self._abs("l")):
+            if name not in committed and f"l/{name}" not in referenced:
+                rm(self._abs(f"l/{name}"))
+        live_merges = set()
+        for name in os.listdir(self._abs("m")):
+            if f"m/{name}" in referenced:
+                live_merges.add(name)
+            else:
+                rm(self._abs(f"m/{name}"))
+        with self.meta.tx():
+            for mid in self.meta.merge_ids():
+                if str(mid) not in live_merges:
+                    self.meta.delete_merge(mid)
+        for name in os.listdir(self._abs("a")):
+            r = active.get(name)
+            if r is None:
+                rm(self._abs(f"a/{name}"))
+                continue
+            keep = f"manifest.{r.extra.get('manifest')}"
+            for f in os.listdir(self._abs(f"a/{name}")):
+                if f.startswith("manifest.") and f != keep:
+                    rm(self._abs(f"a/{name}/{f}"))
+        return removed
+
+    @contextmanager
+    def _readable(self, row: Row) -> Iterator[str]:
+        if row.kind == Kind.ACTIVE:
+            # The upper dir as the top lower layer of a read-only overlay:
+            # overlayfs warns that the dir is in use as an upper elsewhere;
+            # reading while the sandbox runs gives a fuzzy (not torn-file-safe)
+            # picture, so freeze the sandbox for an exact one.
+            lowers = [os.path.join(self._active_dir(row.id), "u")] + self._lowers(row.extra["lowers"])
+        elif row.kind == Kind.VIEW:
+            assert row.parent is not None
+            lowers = self._lowers(self._chain(self.meta.by_id(row.parent)))
+        else:
+            lowers = self._lowers(self._chain(row))
+        self._vseq += 1
+        target = self._abs(f"v/{os.getpid()}.{self._vseq}")
+        os.makedirs(target, exist_ok=True)
+        mount_all([overlay_mount(lowers)], target)
+        try:
+            yield target
+        finally:
+            unmount(target, detach=True)
+            os.rmdir(target)
+
+    def _usage(self, row: Row, parent: Row | None) -> Usage:
+        if row.kind == Kind.VIEW:
+            return Usage(0, 0)
+        path = self._abs(f"l/{row.id}") if row.kind == Kind.COMMITTED else os.path.join(self._active_dir(row.id), "u")
+        fd = os.open(path, O_DIR)
+        size = inodes = 0
+        seen: set[int] = set()
+        try:
+            for _, _, _, st in walk_fd(fd):
+                inodes += 1
+                if st.st_ino not in seen:
+                    seen.add(st.st_ino)
+                    size += st.st_blocks * 512
+        finally:
+            os.close(fd)
+        return Usage(size=size, inodes=inodes)
+
+    # ---- compaction ---------------------------------------------------------------------
+    def depth(self, name: str) -> int:
+        """Number of layers (without the empty bottom) a mount of committed `name` stacks."""
+        with self._lock:
+            row = self.meta.get(name)
+            if row.kind == Kind.COMMITTED:
+                return len(self._chain(row))
+            if row.kind == Kind.ACTIVE:
+                return len(row.extra["lowers"])
+            return len(self._chain(self.meta.by_id(row.parent))) if row.parent else 0
+
+    def compact(self, name: str | None = None) -> int:
+        """Merge layers of committed snapshots deeper than max_depth (all, or `name`); returns merges done.
+
+        Meant for idle time (crabd's scheduler); prepare() also compacts a
+        too-deep parent before mounting it. Existing mounts are unaffected:
+        they keep the layers they were mounted with.
+        """
+        with self._lock:
+            rows = [self.meta.get(name)] if name else [r for r in self.meta.all() if r.kind == Kind.COMMITTED]
+            n = 0
+            for row in rows:
+                if row.kind == Kind.COMMITTED and len(self._chain(row)) > self.max_depth:
+                    with self.meta.tx():
+                        self._compact_row(row)
+                    n += 1
+            return n
+
+    def _compact_row(self, row: Row) -> None:
+        """Replace the top of `row`'s chain by one merged layer so the chain is max_depth // 2 long."""
+        chain = self._chain(row)
+        # Never merge the bottom layer (the image: large, shared by every sandbox).
+        k = min(len(chain) - self.max_depth // 2 + 1, len(chain) - 1)
+        if k < 2:
+            return
+        run = chain[:k]
+        mid = self.meta.new_merge_id()
+        tmp = self._abs(f"tmp/m{mid}")
+        remove_tree(tmp)
+        os.mkdir(tmp, 0o755)
+        fds = [os.open(self._abs(c), O_DIR) for c in run]
+        lfd = os.open(tmp, O_DIR)
+        caches = [_FdCache(fd) for fd in fds]
+        try:
+            listings = [self._layer_listing(fd) for fd in fds]
+            plan = merge_plan(listings)
+            copier = Copier(lfd)
+            copy_root_meta(fds[0], lfd)
+            dirs = []
+            for path in sorted(plan):
+                if not path:
+                    continue
+                i, opaque = plan[path]
+                pfd, name = caches[i].parent(path)
+                st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+                # copy() carries the source's xattrs, opacity included; a dir
+                # that became opaque by merging gets it added here.
+                extra = _OPAQUE_X if opaque and not listings[i][path].opaque else ()
+                copier.copy(pfd, name, st, path, extra)
+                if stat.S_ISDIR(st.st_mode):
+                    dirs.append((path, st))
+            for path, st in reversed(dirs):
+                copier.finish_dir(path, st)
+            copier.finish_dir(b"", os.fstat(fds[0]))
+        finally:
+            for c in caches:
+                c.close()
+            for fd in fds + [lfd]:
+                os.close(fd)
+        os.rename(tmp, self._abs(f"m/{mid}"))
+        row.extra = dict(row.extra)
+        row.extra["chain"] = [f"m/{mid}"] + chain[k:]
+        self.meta.update(row.id, extra=row.extra)
+
+    @staticmethod
+    def _layer_listing(fd: int) -> dict[bytes, LayerEntry]:
+        out = {b"": LayerEntry("dir", False)}
+        for path, pfd, name, st in walk_fd(fd):
+            if stat.S_ISDIR(st.st_mode):
+                out[path] = LayerEntry("dir", _is_opaque(pfd, name))
+            elif stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+                out[path] = LayerEntry("whiteout")
+            else:
+                out[path] = LayerEntry("other")
+        return out

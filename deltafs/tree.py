@@ -1,0 +1,385 @@
+"""File trees inside snapshots: scanning, diffing and copying hostile content.
+
+Everything below a snapshot root is written by the sandbox and therefore
+hostile: a symlink may point at /etc/shadow, a fifo would block an open(),
+a "file" may be a 10 GiB sparse file. So this module
+
+* never follows a symlink: directories are opened with O_NOFOLLOW relative to
+  their parent's fd (dir_fd), entries are lstat'ed, symlinks are re-created
+  from their target text;
+* never opens anything but regular files and directories: fifos, sockets and
+  device nodes are re-created with mknod(2);
+* copies regular files by reflink (FICLONE) when the file system supports it,
+  otherwise data segment by data segment (SEEK_DATA/SEEK_HOLE), so holes stay
+  holes;
+* keeps hard-link groups (by (st_dev, st_ino)) and xattrs.
+
+The pure half (`Entry`, `Change`, `diff_entries`) works on in-memory models
+and is what `Snapshotter.diff` returns; the I/O half (`scan`, `Copier`) is
+used by both drivers.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import stat
+from dataclasses import dataclass, field
+from typing import Iterator
+
+__all__ = ["Entry", "Change", "scan", "diff_entries", "Copier", "kind_of", "remove_tree", "open_dir"]
+
+# linux/fs.h: FICLONE = _IOW(0x94, 9, int) (verified against the C header here).
+FICLONE = 0x40049409
+O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+_KINDS = {
+    stat.S_IFREG: "file",
+    stat.S_IFDIR: "dir",
+    stat.S_IFLNK: "symlink",
+    stat.S_IFIFO: "fifo",
+    stat.S_IFSOCK: "socket",
+    stat.S_IFCHR: "char",
+    stat.S_IFBLK: "block",
+}
+_IFMT = {v: k for k, v in _KINDS.items()}
+
+
+def kind_of(mode: int) -> str:
+    return _KINDS[stat.S_IFMT(mode)]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One path in a tree, as compared by `diff_entries`.
+
+    `path` is relative to the snapshot root, b"" for the root itself, with
+    b"/" separators; names are bytes because sandbox names need not be UTF-8.
+    `ino`/`nlink` are kept to find hard-link groups, not compared.
+    """
+
+    path: bytes
+    kind: str
+    mode: int  # permission bits incl. suid/sgid/sticky (stat.S_IMODE)
+    uid: int
+    gid: int
+    size: int
+    mtime_ns: int
+    rdev: int = 0
+    target: bytes | None = None  # symlink text
+    xattrs: tuple[tuple[str, bytes], ...] = ()
+    allocated: int = 0  # bytes actually allocated (st_blocks * 512)
+    ino: int = field(default=0, compare=False)
+    nlink: int = field(default=1, compare=False)
+
+    def same_content_as(self, other: "Entry") -> bool:
+        """Metadata quick check (like rsync's): equal type, perms, owner, size, mtime, target, xattrs."""
+        return (
+            self.kind == other.kind
+            and self.mode == other.mode
+            and self.uid == other.uid
+            and self.gid == other.gid
+            and (self.kind == "dir" or self.size == other.size)
+            and (self.kind == "dir" or self.mtime_ns == other.mtime_ns)
+            and self.rdev == other.rdev
+            and self.target == other.target
+            and self.xattrs == other.xattrs
+        )
+
+
+@dataclass(frozen=True)
+class Change:
+    """One difference between two trees: `kind` is added, modified or deleted.
+
+    `type` and `size` describe the entry in the newer tree (the older one for
+    deletions).
+    """
+
+    kind: str
+    path: bytes
+    type: str
+    size: int
+
+
+def diff_entries(a: dict[bytes, Entry], b: dict[bytes, Entry]) -> list[Change]:
+    """Changes that turn tree `a` into tree `b`. Pure.
+
+    A directory whose own metadata is unchanged is not reported even when its
+    mtime moved because children changed (the children are). A type change
+    is a deletion plus an addition, as in containerd's continuity diff.
+    """
+    out: list[Change] = []
+    for path, eb in b.items():
+        ea = a.get(path)
+        if ea is None:
+            out.append(Change("added", path, eb.kind, eb.size))
+        elif ea.kind != eb.kind:
+            out.append(Change("deleted", path, ea.kind, ea.size))
+            out.append(Change("added", path, eb.kind, eb.size))
+        elif not ea.same_content_as(eb):
+            out.append(Change("modified", path, eb.kind, eb.size))
+    for path, ea in a.items():
+        if path not in b:
+            out.append(Change("deleted", path, ea.kind, ea.size))
+    out.sort(key=lambda c: (c.path, c.kind != "deleted"))
+    return out
+
+
+def open_dir(path: str | bytes) -> int:
+    """Open a trusted directory (a snapshot root we created) for fd-relative walking."""
+    return os.open(path, O_DIR)
+
+
+def _xattrs(dir_fd: int, name: bytes, kind: str, skip_prefix: str | None = None) -> tuple[tuple[str, bytes], ...]:
+    # listxattr has no *at() form; /proc/self/fd/N/<name> resolves the trusted
+    # dir fd and then `name` without following it (follow_symlinks=False).
+    p = b"/proc/self/fd/%d/%s" % (dir_fd, name) if name else b"/proc/self/fd/%d" % dir_fd
+    try:
+        names = os.listxattr(p, follow_symlinks=False)
+    except OSError as e:
+        if e.errno in (errno.ENOTSUP, errno.EPERM):
+            return ()
+        raise
+    out = []
+    for n in sorted(names):
+        if skip_prefix and n.startswith(skip_prefix):
+            continue
+        try:
+            out.append((n, os.getxattr(p, n, follow_symlinks=False)))
+        except OSError as e:
+            if e.errno != errno.ENODATA:
+                raise
+    return tuple(out)
+
+
+def _entry(path: bytes, st: os.stat_result, dir_fd: int, name: bytes, xattrs: bool,
+           skip_xattr_prefix: str | None) -> Entry:
+    kind = kind_of(st.st_mode)
+    target = os.readlink(name, dir_fd=dir_fd) if kind == "symlink" else None
+    return Entry(
+        path=path,
+        kind=kind,
+        mode=stat.S_IMODE(st.st_mode),
+        uid=st.st_uid,
+        gid=st.st_gid,
+        size=st.st_size if kind in ("file", "symlink") else 0,
+        mtime_ns=st.st_mtime_ns,
+        rdev=st.st_rdev if kind in ("char", "block") else 0,
+        target=os.fsencode(target) if target is not None else None,
+        xattrs=_xattrs(dir_fd, name, kind, skip_xattr_prefix) if xattrs else (),
+        allocated=st.st_blocks * 512,
+        ino=st.st_ino,
+        nlink=st.st_nlink,
+    )
+
+
+def walk_fd(root_fd: int) -> Iterator[tuple[bytes, int, bytes, os.stat_result]]:
+    """Yield (relative path, parent dir fd, name, lstat) for every entry below `root_fd`, parents first.
+
+    The parent fd is valid only until the generator advances past that dir.
+    """
+    stack: list[tuple[bytes, int]] = [(b"", os.dup(root_fd))]
+    try:
+        while stack:
+            rel, fd = stack.pop()
+            try:
+                with os.scandir(fd) as it:
+                    names = sorted(os.fsencode(e.name) for e in it)
+                for name in names:
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                    path = rel + b"/" + name if rel else name
+                    yield path, fd, name, st
+                    if stat.S_ISDIR(st.st_mode):
+                        stack.append((path, os.open(name, O_DIR, dir_fd=fd)))
+            finally:
+                os.close(fd)
+    finally:
+        for _, fd in stack:
+            os.close(fd)
+
+
+def scan(root: str | bytes, *, xattrs: bool = True, skip_xattr_prefix: str | None = None) -> dict[bytes, Entry]:
+    """Every entry of the tree at `root` (root itself at b""), never following symlinks."""
+    fd = open_dir(root)
+    try:
+        out = {b"": _entry(b"", os.fstat(fd), fd, b"", xattrs, skip_xattr_prefix)}
+        for path, pfd, name, st in walk_fd(fd):
+            out[path] = _entry(path, st, pfd, name, xattrs, skip_xattr_prefix)
+        return out
+    finally:
+        os.close(fd)
+
+
+def _copy_data(src: int, dst: int, size: int) -> str:
+    """Copy a regular file's bytes; returns "reflink" or "copy". Holes stay holes."""
+    try:
+        fcntl.ioctl(dst, FICLONE, src)
+        return "reflink"
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EXDEV, errno.EINVAL, errno.ENOTTY, errno.EBADF):
+            raise
+    off = 0
+    while off < size:
+        try:
+            data = os.lseek(src, off, os.SEEK_DATA)
+        except OSError as e:
+            if e.errno == errno.ENXIO:  # only a hole remains
+                break
+            raise
+        hole = os.lseek(src, data, os.SEEK_HOLE)
+        pos = data
+        while pos < hole:
+            n = os.copy_file_range(src, dst, hole - pos, pos, pos)
+            if n == 0:
+                break
+            pos += n
+        off = hole
+    os.ftruncate(dst, size)
+    return "copy"
+
+
+def _set_xattrs_path(p: bytes, xattrs: tuple[tuple[str, bytes], ...]) -> None:
+    for n, v in xattrs:
+        try:
+            os.setxattr(p, n, v, follow_symlinks=False)
+        except OSError as e:
+            # user.* xattrs cannot exist on symlinks/devices; the source could not have had them.
+            if e.errno not in (errno.EPERM, errno.ENOTSUP):
+                raise
+
+
+class Copier:
+    """Copies entries from a source tree into a destination tree, both open as dir fds.
+
+    Keeps hard-link groups within one copier's lifetime (a layer capture is
+    one copier). `xattr_filter(name) -> bool` decides which xattrs to carry
+    (overlay strips its own trusted.overlay.* bookkeeping).
+    """
+
+    def __init__(self, dst_root_fd: int, xattr_filter=None) -> None:
+        self.dst_root_fd = dst_root_fd
+        self.links: dict[tuple[int, int], bytes] = {}
+        self.xattr_filter = xattr_filter
+        self.bytes_copied = 0
+        self.reflinks = 0
+        self.entries = 0
+
+    def _dst_path(self, rel: bytes) -> bytes:
+        return b"/proc/self/fd/%d/%s" % (self.dst_root_fd, rel)
+
+    def copy(self, src_dir_fd: int, name: bytes, st: os.stat_result, dst_rel: bytes,
+             extra_xattrs: tuple[tuple[str, bytes], ...] = ()) -> None:
+        """Create `dst_rel` (relative to the destination root) as a copy of `name` in `src_dir_fd`.
+
+        Directories are created empty (children are the caller's business);
+        call `finish_dir` after the children to restore the dir's mtime.
+        """
+        self.entries += 1
+        kind = kind_of(st.st_mode)
+        d = self.dst_root_fd
+        key = (st.st_dev, st.st_ino)
+        if kind != "dir" and st.st_nlink > 1 and key in self.links:
+            os.link(self.links[key], dst_rel, src_dir_fd=d, dst_dir_fd=d, follow_symlinks=False)
+            return
+        xattrs = _xattrs(src_dir_fd, name, kind)
+        if self.xattr_filter is not None:
+            xattrs = tuple(x for x in xattrs if self.xattr_filter(x[0]))
+        xattrs = xattrs + extra_xattrs
+        if kind == "file":
+            sfd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=src_dir_fd)
+            try:
+                fst = os.fstat(sfd)
+                if not stat.S_ISREG(fst.st_mode) or fst.st_ino != st.st_ino:
+                    raise OSError(errno.ESTALE, f"{name!r} changed while copying (tree not frozen?)")
+                dfd = os.open(dst_rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                              0o600, dir_fd=d)
+                try:
+                    if _copy_data(sfd, dfd, fst.st_size) == "reflink":
+                        self.reflinks += 1
+                    else:
+                        self.bytes_copied += fst.st_blocks * 512
+                    os.fchown(dfd, st.st_uid, st.st_gid)
+                    os.fchmod(dfd, stat.S_IMODE(st.st_mode))  # after chown: chown clears suid
+                    for n, v in xattrs:
+                        os.setxattr(dfd, n, v)
+                    os.utime(dfd, ns=(st.st_atime_ns, st.st_mtime_ns))
+                finally:
+                    os.close(dfd)
+            finally:
+                os.close(sfd)
+        elif kind == "dir":
+            os.mkdir(dst_rel, 0o700, dir_fd=d)
+            os.chown(dst_rel, st.st_uid, st.st_gid, dir_fd=d, follow_symlinks=False)
+            os.chmod(dst_rel, stat.S_IMODE(st.st_mode), dir_fd=d)
+            _set_xattrs_path(self._dst_path(dst_rel), xattrs)
+        elif kind == "symlink":
+            os.symlink(os.readlink(name, dir_fd=src_dir_fd), dst_rel, dir_fd=d)
+            os.chown(dst_rel, st.st_uid, st.st_gid, dir_fd=d, follow_symlinks=False)
+            _set_xattrs_path(self._dst_path(dst_rel), xattrs)
+            os.utime(dst_rel, ns=(st.st_atime_ns, st.st_mtime_ns), dir_fd=d, follow_symlinks=False)
+        else:
+            # fifo, socket, char, block: never opened, re-created.
+            os.mknod(dst_rel, stat.S_IFMT(st.st_mode) | 0o600, st.st_rdev, dir_fd=d)
+            os.chown(dst_rel, st.st_uid, st.st_gid, dir_fd=d, follow_symlinks=False)
+            os.chmod(dst_rel, stat.S_IMODE(st.st_mode), dir_fd=d)
+            _set_xattrs_path(self._dst_path(dst_rel), xattrs)
+            os.utime(dst_rel, ns=(st.st_atime_ns, st.st_mtime_ns), dir_fd=d, follow_symlinks=False)
+        if kind != "dir" and st.st_nlink > 1:
+            self.links[key] = dst_rel
+
+    def finish_dir(self, dst_rel: bytes, st: os.stat_result) -> None:
+        """Restore a copied directory's times after its children were created."""
+        if dst_rel:
+            os.utime(dst_rel, ns=(st.st_atime_ns, st.st_mtime_ns), dir_fd=self.dst_root_fd, follow_symlinks=False)
+        else:
+            os.utime(self.dst_root_fd, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    def whiteout(self, dst_rel: bytes) -> None:
+        """An overlay whiteout: a 0/0 character device."""
+        self.entries += 1
+        os.mknod(dst_rel, stat.S_IFCHR | 0o000, 0, dir_fd=self.dst_root_fd)
+
+
+def copy_root_meta(src_fd: int, dst_fd: int, xattr_filter=None) -> None:
+    """Give a destination root dir the owner, mode and xattrs of a source root dir."""
+    st = os.fstat(src_fd)
+    os.fchown(dst_fd, st.st_uid, st.st_gid)
+    os.fchmod(dst_fd, stat.S_IMODE(st.st_mode))
+    for n, v in _xattrs(src_fd, b"", "dir"):
+        if xattr_filter is None or xattr_filter(n):
+            os.setxattr(dst_fd, n, v)
+
+
+def remove_tree(path: str | bytes) -> None:
+    """rm -rf without following symlinks; a missing path is fine."""
+    try:
+        fd = os.open(path, O_DIR)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        if e.errno in (errno.ENOTDIR, errno.ELOOP):
+            os.unlink(path)
+            return
+        raise
+    try:
+        _empty_dir(fd)
+    finally:
+        os.close(fd)
+    os.rmdir(path)
+
+
+def _empty_dir(fd: int) -> None:
+    with os.scandir(fd) as it:
+        names = [e.name for e in it]
+    for name in names:
+        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        if stat.S_ISDIR(st.st_mode):
+            cfd = os.open(name, O_DIR, dir_fd=fd)
+            try:
+                _empty_dir(cfd)
+            finally:
+                os.close(cfd)
+            os.rmdir(name, dir_fd=fd)
+        else:
+            os.unlink(name, dir_fd=fd)
