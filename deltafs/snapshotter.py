@@ -310,9 +310,13 @@ class Snapshotter(abc.ABC):
             return self._gc_disk(self.meta.all())
 
     def close(self) -> None:
+        """Release the metadata and the state-dir lock; idempotent. Mounts stay as they are."""
         with self._lock:
+            if self._lock_fd < 0:
+                return
             self.meta.close()
             os.close(self._lock_fd)
+            self._lock_fd = -1
 
     def __enter__(self) -> "Snapshotter":
         return self

@@ -113,6 +113,8 @@ def diff_entries(a: dict[bytes, Entry], b: dict[bytes, Entry]) -> list[Change]:
     for path, eb in b.items():
         ea = a.get(path)
         if ea is None:
+            if path == b"":  # the root always exists; diff(None, b) does not "add" it
+                continue
             out.append(Change("added", path, eb.kind, eb.size))
         elif ea.kind != eb.kind:
             out.append(Change("deleted", path, ea.kind, ea.size))
@@ -120,7 +122,7 @@ def diff_entries(a: dict[bytes, Entry], b: dict[bytes, Entry]) -> list[Change]:
         elif not ea.same_content_as(eb):
             out.append(Change("modified", path, eb.kind, eb.size))
     for path, ea in a.items():
-        if path not in b:
+        if path not in b and path != b"":
             out.append(Change("deleted", path, ea.kind, ea.size))
     out.sort(key=lambda c: (c.path, c.kind != "deleted"))
     return out
