@@ -1,1 +1,56 @@
-"""ebpf: see shared design; filled in by its own issue."""
+"""ebpf: what each agent turn changed in its sandbox, and what to checkpoint.
+
+BPF programs on tracepoints (ebpf/inspector.c, loaded with bcc) attribute
+file, process, network and mount activity to sandboxes by cgroup v2 id;
+`Inspector` turns it into one `Effects` record per turn; `classify` maps
+that to a `Plan` (SKIP, FS or FS_PROC, with reasons). Without BPF,
+`ProcInspector` builds the same record from /proc and the file-system
+layer's change probe. `open_inspector` picks one. This library never imports
+crabd.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ebpf.classifier import Plan, PlanKind, classify
+from ebpf.effects import SCHEMA_VERSION, Connections, Effects, ExecRecord, ProcessRecord, Sample, SocketRecord
+from ebpf.errors import AlreadyWatched, BPFUnavailable, InspectorError, NotWatched
+from ebpf.fallback import ChangeProbe, ProcInspector
+from ebpf._inspector import Inspector, Loader
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "AlreadyWatched",
+    "BPFUnavailable",
+    "ChangeProbe",
+    "Connections",
+    "Effects",
+    "ExecRecord",
+    "Inspector",
+    "InspectorError",
+    "Loader",
+    "NotWatched",
+    "Plan",
+    "PlanKind",
+    "ProcInspector",
+    "ProcessRecord",
+    "Sample",
+    "SocketRecord",
+    "classify",
+    "open_inspector",
+]
+
+log = logging.getLogger(__name__)
+
+
+def open_inspector(change_probe: ChangeProbe | None = None) -> Inspector | ProcInspector:
+    """The BPF inspector, loaded; or, when BPF cannot be used here, the /proc
+    fallback, with a warning that says why (crabd doctor reports the same)."""
+    insp = Inspector()
+    try:
+        insp.open()
+    except BPFUnavailable as e:
+        log.warning("BPF inspector unavailable, using the /proc fallback (coarser, slower): %s", e)
+        return ProcInspector(change_probe)
+    return insp

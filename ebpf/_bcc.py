@@ -1,0 +1,146 @@
+"""The bcc loader: compiles ebpf/inspector.c, attaches it, reads its maps.
+
+This is the only module that imports bcc. bcc's exceptions (plain
+`Exception` with a message, mostly) are converted to `BPFUnavailable` with
+the fix in the message where they enter here. The `Loader` protocol it
+implements is in `ebpf._loader`; `ebpf.testing.FakeLoader` is its fake.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+from pathlib import Path
+
+from ebpf._events import MAX_LEVELS, Event, decode, program_text
+from ebpf.errors import BPFUnavailable
+
+
+def kernel_headers_problem() -> str | None:
+    """Why bcc will not find usable kernel headers, with the fix; None if fine."""
+    mod = Path("/lib/modules") / platform.release()
+    build, source = mod / "build", mod / "source"
+    if not build.exists():
+        return (
+            f"no kernel headers at {build}; fix: run scripts/setup-host (it links "
+            f"Debian's nearest linux-headers package there)"
+        )
+    if (build / "include/linux/kconfig.h").exists():
+        return None
+    if (source / "include/linux/kconfig.h").exists():
+        return None
+    # Debian splits headers into <ver>-<arch> (generated files, linked as
+    # `build`) and <ver>-common (the sources, expected as `source`).
+    real = build.resolve()
+    common = real.with_name(real.name.rsplit("-", 1)[0] + "-common")
+    fix = f"ln -sfn {common} {source}" if common.is_dir() else "install the matching -common headers package"
+    return f"{source} does not hold kernel sources (include/linux/kconfig.h); fix: {fix}"
+
+
+class BccLoader:
+    """Compile and attach the inspector program with bcc (needs root)."""
+
+    def __init__(self, follow_pids: bool = False) -> None:
+        self.follow_pids = follow_pids
+        self.mode = "bpf-pids" if follow_pids else "bpf-cgroup"
+        self._bpf = None
+        self._batch: list[Event] = []
+        self._levels: list[int] = []
+        # Records that could not be decoded; not attributable to a sandbox, so
+        # every sandbox's dropped count includes them (assume the worst).
+        self._undecodable = 0
+
+    def program(self) -> str:
+        return program_text(self.follow_pids)
+
+    def open(self) -> None:
+        if self._bpf is not None:
+            return
+        if os.geteuid() != 0:
+            raise BPFUnavailable("loading BPF programs needs root (CAP_BPF and CAP_PERFMON)")
+        try:
+            from bcc import BPF  # Debian's python3-bpfcc
+        except ImportError as e:
+            raise BPFUnavailable(
+                f"cannot import bcc ({e}); fix: apt-get install python3-bpfcc and make it "
+                f"importable (scripts/setup-host does both for the project venv)"
+            ) from e
+        problem = kernel_headers_problem()
+        if problem and "BCC_KERNEL_SOURCE" not in os.environ:
+            raise BPFUnavailable(problem)
+        if not Path("/sys/kernel/tracing/events/syscalls").is_dir() and not Path(
+            "/sys/kernel/debug/tracing/events/syscalls"
+        ).is_dir():
+            raise BPFUnavailable("tracefs is not mounted; fix: mount -t tracefs tracefs /sys/kernel/tracing")
+        try:
+            bpf = BPF(text=self.program())
+            bpf["events"].open_ring_buffer(self._on_event)
+        except Exception as e:  # bcc raises bare Exception
+            raise BPFUnavailable(f"compiling or attaching the inspector program failed: {e}") from e
+        self._bpf = bpf
+
+    def _on_event(self, ctx: object, data: int, size: int) -> None:
+        try:
+            self._batch.append(decode(data, size))
+        except Exception:  # noqa: BLE001 - an undecodable record is a lost event
+            self._undecodable += 1
+
+    def _table(self, name: str):  # noqa: ANN202 - bcc table types are untyped
+        if self._bpf is None:
+            raise BPFUnavailable("the inspector program is not loaded; call open() first")
+        return self._bpf[name]
+
+    def add_cgroup(self, cgroup_id: int, level: int, tag: int) -> None:
+        self._table("watched")[ctypes.c_uint64(cgroup_id)] = ctypes.c_uint32(tag)
+        if level > 0 and level not in self._levels:
+            if len(self._levels) >= MAX_LEVELS:
+                raise BPFUnavailable(f"sandbox cgroups at more than {MAX_LEVELS} distinct depths")
+            self._levels.append(level)
+            self._table("levels")[ctypes.c_int(len(self._levels) - 1)] = ctypes.c_uint32(level)
+
+    def remove_cgroup(self, cgroup_id: int) -> None:
+        try:
+            del self._table("watched")[ctypes.c_uint64(cgroup_id)]
+        except KeyError:
+            pass
+
+    def add_pid(self, pid: int, tag: int) -> None:
+        self._table("watched_pids")[ctypes.c_uint32(pid)] = ctypes.c_uint32(tag)
+
+    def remove_tag_pids(self, tag: int) -> None:
+        t = self._table("watched_pids")
+        for k, v in list(t.items()):
+            if v.value == tag:
+                try:
+                    del t[k]
+                except KeyError:
+                    pass
+
+    def read_events(self, timeout_ms: int = 0) -> list[Event]:
+        bpf = self._bpf
+        if bpf is None:
+            return []
+        if timeout_ms > 0:
+            bpf.ring_buffer_poll(timeout_ms)
+        else:
+            bpf.ring_buffer_consume()
+        out, self._batch = self._batch, []
+        return out
+
+    def _percpu_sum(self, name: str, tag: int) -> int:
+        vals = self._table(name)[ctypes.c_int(tag)]
+        return int(sum(v for v in vals))
+
+    def write_count(self, tag: int) -> int:
+        return self._percpu_sum("writes", tag)
+
+    def dropped_count(self, tag: int) -> int:
+        return self._percpu_sum("dropped", tag) + self._undecodable
+
+    def close(self) -> None:
+        if self._bpf is not None:
+            try:
+                self._bpf.cleanup()
+            finally:
+                self._bpf = None

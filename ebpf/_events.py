@@ -1,0 +1,227 @@
+"""The event record the BPF program emits, and its constants.
+
+This module is the single source of truth for the layout: `program_text()`
+renders the constants as C `#define`s in front of ebpf/inspector.c, and
+`decode()` turns the raw bytes of one ring-buffer record into an `Event`.
+Nothing here touches the kernel, so it is tested without root.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import ipaddress
+from dataclasses import dataclass
+from importlib import resources
+
+PATH_LEN = 256
+ARGV_SLOTS = 8
+ARG_LEN = PATH_LEN // ARGV_SLOTS
+MAX_TAGS = 1024
+MAX_LEVELS = 4
+MAX_PIDS = 65536
+MAX_PENDING = 16384
+RINGBUF_PAGES = 1024  # 4 MiB: ~7000 events in flight
+AT_FDCWD = -100
+
+O_WRONLY = 0o1
+O_RDWR = 0o2
+O_CREAT = 0o100
+O_TRUNC = 0o1000
+O_APPEND = 0o2000
+O_TMPFILE = 0o20000000 | 0o200000
+# Flags with which an open can change a file (O_TMPFILE needs O_WRONLY/RDWR).
+OPEN_WRITE_FLAGS = O_WRONLY | O_RDWR | O_CREAT | O_TRUNC | O_APPEND
+
+AF_UNIX = 1
+AF_INET = 2
+AF_INET6 = 10
+AF_NETLINK = 16
+
+
+class EventKind(enum.IntEnum):
+    """What one event records; the C side sees them as EV_<NAME>."""
+
+    OPEN_WRITE = 1
+    UNLINK = 2
+    RMDIR = 3
+    RENAME = 4
+    MKDIR = 5
+    LINK = 6
+    SYMLINK = 7
+    CHMOD = 8
+    CHOWN = 9
+    TRUNCATE = 10
+    XATTR = 11
+    MKNOD = 12
+    UTIMES = 13
+    MOUNT = 20
+    UMOUNT = 21
+    KERNEL_OBJECT = 22
+    OPAQUE = 23
+    CONNECT = 30
+    BIND = 31
+    LISTEN = 32
+    SEND = 33
+    EXEC_ARGS = 40
+    EXEC = 41
+    FORK = 42
+    EXIT = 43
+
+
+# Kinds that change the file system, with the name used in `Effects.files`.
+FILE_KINDS: dict[EventKind, str] = {
+    EventKind.OPEN_WRITE: "write",
+    EventKind.UNLINK: "delete",
+    EventKind.RMDIR: "rmdir",
+    EventKind.RENAME: "rename",
+    EventKind.MKDIR: "mkdir",
+    EventKind.LINK: "link",
+    EventKind.SYMLINK: "symlink",
+    EventKind.CHMOD: "chmod",
+    EventKind.CHOWN: "chown",
+    EventKind.TRUNCATE: "truncate",
+    EventKind.XATTR: "xattr",
+    EventKind.MKNOD: "mknod",
+    EventKind.UTIMES: "utimes",
+}
+
+
+class RawEvent(ctypes.Structure):
+    """Mirror of `struct event` in inspector.c (natural alignment, no packing)."""
+
+    _fields_ = [
+        ("ts", ctypes.c_uint64),
+        ("tag", ctypes.c_uint32),
+        ("kind", ctypes.c_uint32),
+        ("pid", ctypes.c_uint32),
+        ("tid", ctypes.c_uint32),
+        ("ret", ctypes.c_int64),
+        ("arg", ctypes.c_int64),
+        ("dfd", ctypes.c_int32),
+        ("dfd2", ctypes.c_int32),
+        ("family", ctypes.c_uint16),
+        ("port", ctypes.c_uint16),
+        ("nargs", ctypes.c_uint32),
+        ("addr", ctypes.c_uint8 * 16),
+        ("comm", ctypes.c_char * 16),
+        ("path", ctypes.c_char * PATH_LEN),
+        ("path2", ctypes.c_char * PATH_LEN),
+    ]
+
+
+@dataclass(frozen=True)
+class Event:
+    """One decoded event. Pids are in the host's pid namespace."""
+
+    kind: EventKind
+    tag: int
+    pid: int
+    tid: int = 0
+    ts: int = 0
+    ret: int = 0
+    arg: int = 0
+    dfd: int = AT_FDCWD
+    dfd2: int = AT_FDCWD
+    path: str = ""
+    path2: str = ""
+    argv: tuple[str, ...] = ()
+    comm: str = ""
+    family: int = 0
+    addr: str = ""
+    port: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tid == 0:
+            object.__setattr__(self, "tid", self.pid)
+
+
+def _text(b: bytes) -> str:
+    return b.decode("utf-8", "surrogateescape")
+
+
+def _field_bytes(raw: RawEvent, name: str) -> bytes:
+    # ctypes turns a char-array field into bytes cut at the first NUL; the
+    # exec argv slots need the whole array
+    f = getattr(RawEvent, name)
+    return ctypes.string_at(ctypes.addressof(raw) + f.offset, f.size)
+
+
+def _cstr(b: bytes) -> str:
+    return _text(b.split(b"\0", 1)[0])
+
+
+def decode(data: bytes | ctypes.Array | int, size: int | None = None) -> Event:
+    """Decode one ring-buffer record (bytes, or a pointer as bcc passes it)."""
+    if isinstance(data, int):
+        raw = RawEvent.from_buffer_copy(ctypes.string_at(data, ctypes.sizeof(RawEvent)))
+    else:
+        raw = RawEvent.from_buffer_copy(bytes(data)[: ctypes.sizeof(RawEvent)])
+    kind = EventKind(raw.kind)
+    argv: tuple[str, ...] = ()
+    path2 = ""
+    if kind == EventKind.EXEC_ARGS:
+        blob = _field_bytes(raw, "path2")
+        argv = tuple(_cstr(blob[i * ARG_LEN : (i + 1) * ARG_LEN]) for i in range(min(raw.nargs, ARGV_SLOTS)))
+    else:
+        path2 = _cstr(_field_bytes(raw, "path2"))
+    addr = ""
+    path = _cstr(_field_bytes(raw, "path"))
+    if raw.family == AF_INET:
+        addr = str(ipaddress.IPv4Address(bytes(raw.addr[:4])))
+    elif raw.family == AF_INET6:
+        addr = str(ipaddress.IPv6Address(bytes(raw.addr)))
+    elif raw.family == AF_UNIX:
+        # abstract socket names start with NUL; shown as "@name"
+        sun = _field_bytes(raw, "path")[:108]
+        path = "@" + _cstr(sun[1:]) if sun[:1] == b"\0" else _cstr(sun)
+    return Event(
+        kind=kind,
+        tag=raw.tag,
+        pid=raw.pid,
+        tid=raw.tid,
+        ts=raw.ts,
+        ret=raw.ret,
+        arg=raw.arg,
+        dfd=raw.dfd,
+        dfd2=raw.dfd2,
+        path=path,
+        path2=path2,
+        argv=argv,
+        comm=_text(raw.comm),
+        family=raw.family,
+        addr=addr,
+        port=raw.port,
+    )
+
+
+def defines(follow_pids: bool = False) -> dict[str, int]:
+    """The constants the C program is compiled with."""
+    d = {
+        "PATH_LEN": PATH_LEN,
+        "ARGV_SLOTS": ARGV_SLOTS,
+        "ARG_LEN": ARG_LEN,
+        "MAX_TAGS": MAX_TAGS,
+        "MAX_LEVELS": MAX_LEVELS,
+        "MAX_PIDS": MAX_PIDS,
+        "MAX_PENDING": MAX_PENDING,
+        "RINGBUF_PAGES": RINGBUF_PAGES,
+        "AT_FDCWD_": AT_FDCWD,
+        "O_CREAT_": O_CREAT,
+        "O_TRUNC_": O_TRUNC,
+        "OPEN_WRITE_FLAGS": OPEN_WRITE_FLAGS,
+        "AF_UNIX_": AF_UNIX,
+        "AF_INET_": AF_INET,
+        "AF_INET6_": AF_INET6,
+        "FOLLOW_PIDS": int(follow_pids),
+    }
+    d.update({f"EV_{k.name}": int(k) for k in EventKind})
+    return d
+
+
+def program_text(follow_pids: bool = False) -> str:
+    """The complete C program as bcc compiles it."""
+    head = ["/* generated by ebpf._events.program_text() */"]
+    head += [f"#define {k} ({v})" for k, v in defines(follow_pids).items()]
+    body = resources.files("ebpf").joinpath("inspector.c").read_text()
+    return "\n".join(head) + "\n" + body

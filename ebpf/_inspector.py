@@ -1,0 +1,311 @@
+"""The BPF inspector: per-sandbox, per-turn `Effects` from kernel events.
+
+    insp = Inspector()                      # BccLoader by default; inject a fake in tests
+    insp.watch("sb1", "/sys/fs/cgroup/unified/crabd/sb1")
+    insp.begin_turn("sb1")
+    ... the turn runs in the sandbox ...
+    effects = insp.end_turn("sb1")          # -> Effects; ebpf.classify(effects) -> Plan
+    insp.close()
+
+A turn covers everything since the previous `end_turn` (or `watch`), so a
+change made between turns is never lost; `begin_turn` only stamps the start.
+Events carry CLOCK_MONOTONIC timestamps: `end_turn` takes its cut time,
+drains the ring buffer, and an event stamped after the cut goes to the next
+turn. A background thread drains the ring buffer between turns so that it
+does not fill up (`poll_interval=None` turns it off; then only `end_turn`
+drains, which is what unit tests with the fake loader use).
+
+`python -m ebpf.inspector --print-program` prints the generated BPF C.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from ebpf._events import MAX_TAGS, Event
+from ebpf._proc import HostProcessTable, ProcessTable, ProcInfo
+from ebpf._turn import DEFAULT_STATELESS, TurnRecorder
+from ebpf.effects import MAX_SAMPLES, Effects
+from ebpf.errors import AlreadyWatched, BPFUnavailable, NotWatched
+
+UNIFIED_ROOT = Path("/sys/fs/cgroup/unified")
+
+
+class Loader(Protocol):
+    """The seam between the inspector and the kernel (BccLoader, FakeLoader)."""
+
+    mode: str  # "bpf-cgroup" or "bpf-pids"
+
+    def program(self) -> str: ...
+    def open(self) -> None: ...
+    def add_cgroup(self, cgroup_id: int, level: int, tag: int) -> None: ...
+    def remove_cgroup(self, cgroup_id: int) -> None: ...
+    def add_pid(self, pid: int, tag: int) -> None: ...
+    def remove_tag_pids(self, tag: int) -> None: ...
+    def read_events(self, timeout_ms: int = 0) -> list[Event]: ...
+    def write_count(self, tag: int) -> int: ...
+    def dropped_count(self, tag: int) -> int: ...
+    def close(self) -> None: ...
+
+
+def cgroup2_mounts() -> list[Path]:
+    """Mount points of cgroup v2 hierarchies, from /proc/self/mountinfo."""
+    out = []
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                if right.split(" ", 1)[0] == "cgroup2":
+                    out.append(Path(left.split()[4]))
+    except OSError:
+        pass
+    return out
+
+
+def cgroup_identity(cgroup_path: Path, mounts: list[Path] | None = None) -> tuple[int, int]:
+    """(cgroup v2 id, level) of a cgroup directory: the id is its inode
+    number, the level its depth below the hierarchy's root (root = 0)."""
+    p = cgroup_path.resolve()
+    for m in sorted(mounts if mounts is not None else cgroup2_mounts(), key=lambda x: -len(x.parts)):
+        if p == m or m in p.parents:
+            return os.stat(p).st_ino, len(p.parts) - len(m.parts)
+    raise BPFUnavailable(f"{cgroup_path} is not in a cgroup v2 hierarchy (mounted: {mounts})")
+
+
+def default_loader() -> Loader:
+    """bcc, keyed on cgroup ids when a unified hierarchy is mounted, else on pids."""
+    from ebpf._bcc import BccLoader
+
+    return BccLoader(follow_pids=not cgroup2_mounts())
+
+
+@dataclass
+class _Watched:
+    sandbox_id: str
+    tag: int
+    cgroup_path: Path
+    cgroup_id: int | None
+    recorder: TurnRecorder
+    baseline: dict[int, ProcInfo]
+    writes_base: int
+    dropped_base: int
+    turn: int = 0
+    started_ns: int = 0
+    cut_ns: int | None = None  # set while end_turn drains
+    next_recorder: TurnRecorder | None = None
+    stateless: frozenset[str] = DEFAULT_STATELESS
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Inspector:
+    """Watches sandboxes' cgroups with BPF and reports each turn's effects."""
+
+    def __init__(
+        self,
+        loader: Loader | None = None,
+        *,
+        processes: ProcessTable | None = None,
+        clock: Callable[[], int] = time.monotonic_ns,
+        poll_interval: float | None = 0.01,
+        max_samples: int = MAX_SAMPLES,
+    ) -> None:
+        self._loader = loader if loader is not None else default_loader()
+        self._procs = processes if processes is not None else HostProcessTable()
+        self._clock = clock
+        self._poll_interval = poll_interval
+        self._max = max_samples
+        self._sandboxes: dict[str, _Watched] = {}
+        self._by_tag: dict[int, _Watched] = {}
+        self._poll_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._opened = False
+        self._waiting = 0
+        self._count_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def source(self) -> str:
+        return self._loader.mode
+
+    def program(self) -> str:
+        return self._loader.program()
+
+    def open(self) -> None:
+        """Load the BPF program (done by the first `watch`); raises BPFUnavailable."""
+        if self._opened:
+            return
+        self._loader.open()
+        self._opened = True
+        if self._poll_interval is not None:
+            self._thread = threading.Thread(target=self._poll_loop, name="ebpf-inspector", daemon=True)
+            self._thread.start()
+
+    def __enter__(self) -> Inspector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        with self._poll_lock:
+            self._loader.close()
+        self._opened = False
+
+    # -- sandboxes
+    def _snapshot(self, w_path: Path) -> dict[int, ProcInfo]:
+        out = {}
+        for pid in self._procs.pids(w_path):
+            info = self._procs.info(pid)
+            if info is not None:
+                out[pid] = info
+        return out
+
+    def watch(self, sandbox_id: str, cgroup_path: str | os.PathLike[str], *, init_pid: int | None = None) -> None:
+        """Start attributing the tasks of `cgroup_path` (and its descendants)
+        to `sandbox_id`. `init_pid` is needed only in pid-following mode."""
+        self.open()
+        path = Path(cgroup_path)
+        with self._state_lock:
+            if sandbox_id in self._sandboxes:
+                raise AlreadyWatched(f"sandbox {sandbox_id!r} is already watched")
+            used = set(self._by_tag)
+            tag = next((t for t in range(1, MAX_TAGS) if t not in used), None)
+            if tag is None:
+                raise BPFUnavailable(f"more than {MAX_TAGS - 1} sandboxes watched")
+            cgid = None
+            if self._loader.mode == "bpf-cgroup":
+                cgid, level = cgroup_identity(path)
+                if any(w.cgroup_id == cgid for w in self._sandboxes.values()):
+                    raise AlreadyWatched(f"cgroup {path} is already watched")
+            w = _Watched(
+                sandbox_id=sandbox_id,
+                tag=tag,
+                cgroup_path=path,
+                cgroup_id=cgid,
+                recorder=TurnRecorder(self._max),
+                baseline={},
+                writes_base=self._loader.write_count(tag),
+                dropped_base=self._loader.dropped_count(tag),
+            )
+            if cgid is not None:
+                self._loader.add_cgroup(cgid, level, tag)
+            else:
+                pids = set(self._procs.pids(path)) | ({init_pid} if init_pid else set())
+                if not pids:
+                    raise BPFUnavailable(f"pid-following mode needs init_pid or processes in {path}")
+                for pid in pids:
+                    self._loader.add_pid(pid, tag)
+            w.baseline = self._snapshot(path)
+            self._sandboxes[sandbox_id] = w
+            self._by_tag[tag] = w
+
+    def unwatch(self, sandbox_id: str) -> None:
+        with self._state_lock:
+            w = self._sandboxes.pop(sandbox_id, None)
+            if w is None:
+                raise NotWatched(f"sandbox {sandbox_id!r} is not watched")
+            if w.cgroup_id is not None:
+                self._loader.remove_cgroup(w.cgroup_id)
+            else:
+                self._loader.remove_tag_pids(w.tag)
+            # keep the tag reserved until events in flight are drained
+        self._drain()
+        with self._state_lock:
+            self._by_tag.pop(w.tag, None)
+
+    def _get(self, sandbox_id: str) -> _Watched:
+        try:
+            return self._sandboxes[sandbox_id]
+        except KeyError:
+            raise NotWatched(f"sandbox {sandbox_id!r} is not watched") from None
+
+    # -- events
+    def _dispatch(self, events: list[Event]) -> None:
+        for ev in events:
+            w = self._by_tag.get(ev.tag)
+            if w is None:
+                continue
+            with w.lock:
+                if w.cut_ns is not None and ev.ts > w.cut_ns:
+                    if w.next_recorder is None:
+                        w.next_recorder = TurnRecorder(self._max)
+                    w.next_recorder.add(ev)
+                else:
+                    w.recorder.add(ev)
+
+    def _drain(self) -> None:
+        with self._count_lock:
+            self._waiting += 1
+        try:
+            with self._poll_lock:
+                self._dispatch(self._loader.read_events(0))
+        finally:
+            with self._count_lock:
+                self._waiting -= 1
+
+    def _poll_loop(self) -> None:
+        while not self._stop.is_set():
+            if self._waiting:
+                # Python locks are not fair: step aside so end_turn gets it.
+                time.sleep(0.0005)
+                continue
+            with self._poll_lock:
+                try:
+                    events = self._loader.read_events(int(self._poll_interval * 1000) or 1)  # type: ignore[operator]
+                except Exception:  # noqa: BLE001 - keep draining; end_turn reports drops
+                    events = []
+                self._dispatch(events)
+
+    # -- turns
+    def begin_turn(self, sandbox_id: str) -> None:
+        w = self._get(sandbox_id)
+        w.started_ns = self._clock()
+
+    def end_turn(self, sandbox_id: str) -> Effects:
+        w = self._get(sandbox_id)
+        cut = self._clock()
+        with w.lock:
+            w.cut_ns = cut
+        self._drain()
+        writes = self._loader.write_count(w.tag)
+        dropped = self._loader.dropped_count(w.tag)
+        after = self._snapshot(w.cgroup_path)
+        with w.lock:
+            rec, w.recorder = w.recorder, (w.next_recorder or TurnRecorder(self._max))
+            rec.carry_over(w.recorder)  # an exec whose argv came before the cut
+            w.next_recorder = None
+            w.cut_ns = None
+            before, w.baseline = w.baseline, after
+            w.turn += 1
+            turn, started = w.turn, w.started_ns
+            w.started_ns = 0
+            wb, db = w.writes_base, w.dropped_base
+            w.writes_base, w.dropped_base = writes, dropped
+        if self._loader.mode == "bpf-pids":
+            # new processes reached through fork are followed by the program;
+            # make sure every current member is (runc exec'd ones are not forks)
+            for pid in after:
+                self._loader.add_pid(pid, w.tag)
+        return rec.effects(
+            sandbox_id=sandbox_id,
+            turn=turn,
+            source=self._loader.mode,  # type: ignore[arg-type]
+            started_ns=started,
+            ended_ns=cut,
+            before=before,
+            after=after,
+            write_syscalls=writes - wb,
+            dropped=dropped - db,
+            stateless=w.stateless,
+        )

@@ -1,0 +1,128 @@
+"""What /proc and the cgroup file system say about a sandbox's processes.
+
+Both inspectors take a snapshot of the sandbox's processes at every turn end
+and compare it with the previous one: processes that appeared (and are
+alive), disappeared, or ran. `ProcessTable` is the seam; `HostProcessTable`
+reads the real /proc, `ebpf.testing.FakeProcessTable` is its fake.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class ProcInfo:
+    pid: int
+    start: int  # start time in clock ticks since boot: tells a reused pid apart
+    cpu: int  # utime + stime of all threads, clock ticks
+    switches: int  # voluntary + involuntary context switches of all threads
+    running: bool  # some thread is in state R
+    comm: str = ""
+    cmdline: tuple[str, ...] = ()
+
+    def ran_since(self, before: ProcInfo) -> bool:
+        return self.running or self.cpu != before.cpu or self.switches != before.switches
+
+
+class ProcessTable(Protocol):
+    def pids(self, cgroup_path: Path) -> set[int]:
+        """Tgids in the cgroup and its descendants."""
+
+    def info(self, pid: int) -> ProcInfo | None:
+        """None when the process is gone."""
+
+    def listening(self, pids: set[int]) -> dict[int, list[str]]:
+        """Listening inet sockets per pid ('0.0.0.0:8000'); used by the fallback."""
+
+
+def _read(p: str) -> str | None:
+    try:
+        with open(p, "rb") as f:
+            return f.read().decode("utf-8", "surrogateescape")
+    except OSError:
+        return None
+
+
+def _stat_fields(text: str) -> tuple[str, list[str]]:
+    # comm may hold spaces and parentheses: split at the last ')'
+    lpar, rpar = text.index("("), text.rindex(")")
+    return text[lpar + 1 : rpar], text[rpar + 2 :].split()
+
+
+class HostProcessTable:
+    """The real /proc and cgroup file system (host pid namespace)."""
+
+    def pids(self, cgroup_path: Path) -> set[int]:
+        out: set[int] = set()
+        for d, _dirs, files in os.walk(cgroup_path):
+            if "cgroup.procs" in files:
+                text = _read(os.path.join(d, "cgroup.procs")) or ""
+                out.update(int(x) for x in text.split())
+        return out
+
+    def info(self, pid: int) -> ProcInfo | None:
+        stat = _read(f"/proc/{pid}/stat")
+        if stat is None:
+            return None
+        comm, f = _stat_fields(stat)
+        if f[0] == "Z":
+            return None  # a zombie holds no state
+        start = int(f[19])
+        cpu = switches = 0
+        running = False
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            return None
+        for tid in tids:
+            ts = _read(f"/proc/{pid}/task/{tid}/stat")
+            if ts:
+                _c, tf = _stat_fields(ts)
+                cpu += int(tf[11]) + int(tf[12])
+                running = running or tf[0] == "R"
+            status = _read(f"/proc/{pid}/task/{tid}/status") or ""
+            for line in status.splitlines():
+                if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                    switches += int(line.split()[1])
+        raw = _read(f"/proc/{pid}/cmdline") or ""
+        cmdline = tuple(a for a in raw.split("\0") if a) if raw else ()
+        return ProcInfo(pid, start, cpu, switches, running, comm, cmdline)
+
+    def listening(self, pids: set[int]) -> dict[int, list[str]]:
+        out: dict[int, list[str]] = {}
+        for pid in pids:
+            inodes: set[str] = set()
+            try:
+                for fd in os.listdir(f"/proc/{pid}/fd"):
+                    try:
+                        link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    except OSError:
+                        continue
+                    if link.startswith("socket:["):
+                        inodes.add(link[8:-1])
+            except OSError:
+                continue
+            if not inodes:
+                continue
+            for name, v6 in (("tcp", False), ("tcp6", True)):
+                for line in (_read(f"/proc/{pid}/net/{name}") or "").splitlines()[1:]:
+                    cols = line.split()
+                    if len(cols) > 9 and cols[3] == "0A" and cols[9] in inodes:
+                        out.setdefault(pid, []).append(_addr(cols[1], v6))
+        return out
+
+
+def _addr(hexaddr: str, v6: bool) -> str:
+    import ipaddress
+
+    host, port = hexaddr.split(":")
+    raw = bytes.fromhex(host)
+    if v6:
+        # four little-endian 32-bit words
+        raw = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
+        return f"[{ipaddress.IPv6Address(raw)}]:{int(port, 16)}"
+    return f"{ipaddress.IPv4Address(raw[::-1])}:{int(port, 16)}"

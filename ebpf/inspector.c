@@ -1,0 +1,487 @@
+/*
+ * crabd ebpf inspector: what a sandbox's processes do to the OS, per turn.
+ *
+ * Tracepoints only (no kprobes on the hosts here). A task belongs to a
+ * sandbox when its cgroup v2 id, or the id of one of its ancestors at a
+ * registered level, is in `watched` (the value is the sandbox's tag, >= 1).
+ * With FOLLOW_PIDS=1 (hosts without a unified hierarchy) membership is by
+ * tgid instead, inherited on fork from a registered init.
+ *
+ * File changes are recorded at syscall exit and only when the call
+ * succeeded: the arguments are stashed per thread at entry (`pending`), the
+ * user strings are read at exit (they are still mapped: same syscall).
+ * exec, network, mount and kernel-object calls are recorded at entry,
+ * whatever their outcome: an attempt is enough to be unsure.
+ * The write family is only counted (per-CPU counters per tag).
+ *
+ * Every event that cannot be recorded (ring buffer full, `pending` full)
+ * increments `dropped[tag]`; userspace then assumes the worst for the turn.
+ *
+ * The Python side prepends the constants (EV_*, MAX_TAGS, ...) generated from
+ * ebpf/_events.py, the single source of truth for the event layout:
+ * `python -m ebpf.inspector --print-program` shows the whole program.
+ */
+#include <uapi/linux/ptrace.h>
+#include <linux/sched.h>
+
+/* The tracepoint formats come from the running kernel, the headers may be
+ * older (6.12 headers on 6.18 here): 6.18's pwritev2 format names rwf_t,
+ * which 6.12's linux/types.h does not define. A macro, not a typedef, so that
+ * headers that do define it still compile. */
+#define rwf_t int
+
+struct event {
+    u64 ts;            /* bpf_ktime_get_ns(): CLOCK_MONOTONIC */
+    u32 tag;
+    u32 kind;          /* EV_* */
+    u32 pid;           /* tgid, host pid namespace */
+    u32 tid;
+    s64 ret;           /* syscall result where known, else 0 */
+    s64 arg;           /* flags / mode / child pid / request / backlog */
+    s32 dfd;           /* directory fd of path (AT_FDCWD_ = none) */
+    s32 dfd2;          /* directory fd of path2 */
+    u16 family;        /* sockaddr family (net events) */
+    u16 port;          /* host byte order */
+    u32 nargs;         /* exec: number of argv slots filled */
+    u8 addr[16];
+    char comm[16];
+    char path[PATH_LEN];
+    char path2[PATH_LEN];  /* second path, or exec argv: ARGV_SLOTS x ARG_LEN */
+};
+
+struct pending {
+    u32 kind;
+    u32 tag;
+    s32 dfd;
+    s32 dfd2;
+    s64 arg;
+    u64 path;    /* user pointers */
+    u64 path2;
+};
+
+BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
+BPF_HASH(watched, u64, u32, MAX_TAGS);             /* cgroup id -> tag */
+BPF_ARRAY(levels, u32, MAX_LEVELS);                /* ancestor levels to test, 0 = end */
+BPF_HASH(watched_pids, u32, u32, MAX_PIDS);        /* tgid -> tag (FOLLOW_PIDS) */
+BPF_HASH(pending, u64, struct pending, MAX_PENDING);
+BPF_PERCPU_ARRAY(writes, u64, MAX_TAGS);
+BPF_PERCPU_ARRAY(dropped, u64, MAX_TAGS);
+
+static __always_inline u32 sandbox_tag(void)
+{
+#if FOLLOW_PIDS
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    u32 *t = watched_pids.lookup(&tgid);
+    return t ? *t : 0;
+#else
+    u64 id = bpf_get_current_cgroup_id();
+    u32 *t = watched.lookup(&id);
+    if (t)
+        return *t;
+    /* A sandbox may create cgroups below its own: test its ancestors at
+     * the levels where sandbox cgroups live. */
+#pragma unroll
+    for (int i = 0; i < MAX_LEVELS; i++) {
+        int k = i;
+        u32 *lvl = levels.lookup(&k);
+        if (!lvl || *lvl == 0)
+            return 0;
+        u64 anc = bpf_get_current_ancestor_cgroup_id(*lvl);
+        t = watched.lookup(&anc);
+        if (t)
+            return *t;
+    }
+    return 0;
+#endif
+}
+
+static __always_inline void count_drop(u32 tag)
+{
+    int k = tag;
+    u64 *c = dropped.lookup(&k);
+    if (c)
+        *c += 1;
+}
+
+static __always_inline struct event *new_event(u32 tag, u32 kind)
+{
+    struct event *e = events.ringbuf_reserve(sizeof(struct event));
+    if (!e) {
+        count_drop(tag);
+        return 0;
+    }
+    u64 pt = bpf_get_current_pid_tgid();
+    e->ts = bpf_ktime_get_ns();
+    e->tag = tag;
+    e->kind = kind;
+    e->pid = pt >> 32;
+    e->tid = (u32)pt;
+    e->ret = 0;
+    e->arg = 0;
+    e->dfd = AT_FDCWD_;
+    e->dfd2 = AT_FDCWD_;
+    e->family = 0;
+    e->port = 0;
+    e->nargs = 0;
+    __builtin_memset(e->addr, 0, sizeof(e->addr));
+    bpf_get_current_comm(e->comm, sizeof(e->comm));
+    e->path[0] = 0;
+    e->path2[0] = 0;
+    return e;
+}
+
+/* --- file changes: stash at entry, record at exit if it succeeded ---------- */
+
+static __always_inline int stash(u32 kind, s32 dfd, const void *path,
+                                 s32 dfd2, const void *path2, s64 arg)
+{
+    u32 tag = sandbox_tag();
+    if (!tag)
+        return 0;
+    struct pending p = {};
+    p.kind = kind;
+    p.tag = tag;
+    p.dfd = dfd;
+    p.dfd2 = dfd2;
+    p.arg = arg;
+    p.path = (u64)path;
+    p.path2 = (u64)path2;
+    u64 tid = bpf_get_current_pid_tgid();
+    if (pending.update(&tid, &p) != 0)
+        count_drop(tag);
+    return 0;
+}
+
+static __always_inline int finish(long ret)
+{
+    u64 tid = bpf_get_current_pid_tgid();
+    struct pending *p = pending.lookup(&tid);
+    if (!p)
+        return 0;
+    struct pending q = *p;
+    pending.delete(&tid);
+    if (ret < 0)
+        return 0;
+    struct event *e = new_event(q.tag, q.kind);
+    if (!e)
+        return 0;
+    e->ret = ret;
+    e->arg = q.arg;
+    e->dfd = q.dfd;
+    e->dfd2 = q.dfd2;
+    if (q.path)
+        bpf_probe_read_user_str(e->path, sizeof(e->path), (void *)q.path);
+    if (q.path2)
+        bpf_probe_read_user_str(e->path2, sizeof(e->path2), (void *)q.path2);
+    events.ringbuf_submit(e, 0);
+    return 0;
+}
+
+/* FILE_OP(syscall, kind, dfd, path, dfd2, path2, arg): expressions over the
+ * tracepoint's `args`. Map calls may not appear inside macros (bcc), hence
+ * the helpers. */
+#define FILE_OP(name, kind, DFD, PATH, DFD2, PATH2, ARG)                       \
+    TRACEPOINT_PROBE(syscalls, sys_enter_##name)                               \
+    {                                                                          \
+        return stash(kind, (s32)(DFD), (const void *)(PATH), (s32)(DFD2),      \
+                     (const void *)(PATH2), (s64)(ARG));                       \
+    }                                                                          \
+    TRACEPOINT_PROBE(syscalls, sys_exit_##name) { return finish(args->ret); }
+
+/* open family: only opens that can change the file are stashed. */
+static __always_inline int open_op(s32 dfd, const void *path, u64 flags)
+{
+    if (!(flags & OPEN_WRITE_FLAGS))
+        return 0;
+    return stash(EV_OPEN_WRITE, dfd, path, AT_FDCWD_, 0, (s64)flags);
+}
+TRACEPOINT_PROBE(syscalls, sys_enter_open) { return open_op(AT_FDCWD_, args->filename, args->flags); }
+TRACEPOINT_PROBE(syscalls, sys_exit_open) { return finish(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_enter_openat) { return open_op(args->dfd, args->filename, args->flags); }
+TRACEPOINT_PROBE(syscalls, sys_exit_openat) { return finish(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_enter_openat2)
+{
+    u64 flags = 0;
+    /* struct open_how starts with u64 flags */
+    bpf_probe_read_user(&flags, sizeof(flags), (void *)args->how);
+    return open_op(args->dfd, args->filename, flags);
+}
+TRACEPOINT_PROBE(syscalls, sys_exit_openat2) { return finish(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_enter_open_by_handle_at)
+{
+    return open_op(args->mountdirfd, 0, args->flags);
+}
+TRACEPOINT_PROBE(syscalls, sys_exit_open_by_handle_at) { return finish(args->ret); }
+
+FILE_OP(creat, EV_OPEN_WRITE, AT_FDCWD_, args->pathname, AT_FDCWD_, 0, O_CREAT_ | O_TRUNC_ | 1)
+FILE_OP(unlink, EV_UNLINK, AT_FDCWD_, args->pathname, AT_FDCWD_, 0, 0)
+FILE_OP(unlinkat, EV_UNLINK, args->dfd, args->pathname, AT_FDCWD_, 0, args->flag)
+FILE_OP(rmdir, EV_RMDIR, AT_FDCWD_, args->pathname, AT_FDCWD_, 0, 0)
+FILE_OP(rename, EV_RENAME, AT_FDCWD_, args->oldname, AT_FDCWD_, args->newname, 0)
+FILE_OP(renameat, EV_RENAME, args->olddfd, args->oldname, args->newdfd, args->newname, 0)
+FILE_OP(renameat2, EV_RENAME, args->olddfd, args->oldname, args->newdfd, args->newname, args->flags)
+FILE_OP(mkdir, EV_MKDIR, AT_FDCWD_, args->pathname, AT_FDCWD_, 0, args->mode)
+FILE_OP(mkdirat, EV_MKDIR, args->dfd, args->pathname, AT_FDCWD_, 0, args->mode)
+FILE_OP(link, EV_LINK, AT_FDCWD_, args->oldname, AT_FDCWD_, args->newname, 0)
+FILE_OP(linkat, EV_LINK, args->olddfd, args->oldname, args->newdfd, args->newname, args->flags)
+/* symlink: path = link created, path2 = its target text */
+FILE_OP(symlink, EV_SYMLINK, AT_FDCWD_, args->newname, AT_FDCWD_, args->oldname, 0)
+FILE_OP(symlinkat, EV_SYMLINK, args->newdfd, args->newname, AT_FDCWD_, args->oldname, 0)
+FILE_OP(chmod, EV_CHMOD, AT_FDCWD_, args->filename, AT_FDCWD_, 0, args->mode)
+FILE_OP(fchmod, EV_CHMOD, args->fd, 0, AT_FDCWD_, 0, args->mode)
+FILE_OP(fchmodat, EV_CHMOD, args->dfd, args->filename, AT_FDCWD_, 0, args->mode)
+FILE_OP(fchmodat2, EV_CHMOD, args->dfd, args->filename, AT_FDCWD_, 0, args->mode)
+FILE_OP(chown, EV_CHOWN, AT_FDCWD_, args->filename, AT_FDCWD_, 0, 0)
+FILE_OP(lchown, EV_CHOWN, AT_FDCWD_, args->filename, AT_FDCWD_, 0, 0)
+FILE_OP(fchown, EV_CHOWN, args->fd, 0, AT_FDCWD_, 0, 0)
+FILE_OP(fchownat, EV_CHOWN, args->dfd, args->filename, AT_FDCWD_, 0, args->flag)
+FILE_OP(truncate, EV_TRUNCATE, AT_FDCWD_, args->path, AT_FDCWD_, 0, args->length)
+FILE_OP(ftruncate, EV_TRUNCATE, args->fd, 0, AT_FDCWD_, 0, args->length)
+FILE_OP(setxattr, EV_XATTR, AT_FDCWD_, args->pathname, AT_FDCWD_, args->name, 0)
+FILE_OP(lsetxattr, EV_XATTR, AT_FDCWD_, args->pathname, AT_FDCWD_, args->name, 0)
+FILE_OP(fsetxattr, EV_XATTR, args->fd, 0, AT_FDCWD_, args->name, 0)
+FILE_OP(setxattrat, EV_XATTR, args->dfd, args->pathname, AT_FDCWD_, args->name, 0)
+FILE_OP(removexattr, EV_XATTR, AT_FDCWD_, args->pathname, AT_FDCWD_, args->name, 1)
+FILE_OP(lremovexattr, EV_XATTR, AT_FDCWD_, args->pathname, AT_FDCWD_, args->name, 1)
+FILE_OP(fremovexattr, EV_XATTR, args->fd, 0, AT_FDCWD_, args->name, 1)
+FILE_OP(removexattrat, EV_XATTR, args->dfd, args->pathname, AT_FDCWD_, args->name, 1)
+FILE_OP(mknod, EV_MKNOD, AT_FDCWD_, args->filename, AT_FDCWD_, 0, args->mode)
+FILE_OP(mknodat, EV_MKNOD, args->dfd, args->filename, AT_FDCWD_, 0, args->mode)
+FILE_OP(utimensat, EV_UTIMES, args->dfd, args->filename, AT_FDCWD_, 0, args->flags)
+FILE_OP(utime, EV_UTIMES, AT_FDCWD_, args->filename, AT_FDCWD_, 0, 0)
+FILE_OP(utimes, EV_UTIMES, AT_FDCWD_, args->filename, AT_FDCWD_, 0, 0)
+FILE_OP(futimesat, EV_UTIMES, args->dfd, args->filename, AT_FDCWD_, 0, 0)
+
+/* --- write family: counters only ------------------------------------------- */
+
+static __always_inline int count_write(void)
+{
+    u32 tag = sandbox_tag();
+    if (!tag)
+        return 0;
+    int k = tag;
+    u64 *c = writes.lookup(&k);
+    if (c)
+        *c += 1;
+    return 0;
+}
+TRACEPOINT_PROBE(syscalls, sys_enter_write) { return count_write(); }
+TRACEPOINT_PROBE(syscalls, sys_enter_writev) { return count_write(); }
+TRACEPOINT_PROBE(syscalls, sys_enter_pwrite64) { return count_write(); }
+TRACEPOINT_PROBE(syscalls, sys_enter_pwritev) { return count_write(); }
+TRACEPOINT_PROBE(syscalls, sys_enter_pwritev2) { return count_write(); }
+TRACEPOINT_PROBE(syscalls, sys_enter_copy_file_range) { return count_write(); }
+TRACEPOINT_PROBE(syscalls, sys_enter_sendfile64) { return count_write(); }
+TRACEPOINT_PROBE(syscalls, sys_enter_splice) { return count_write(); }
+TRACEPOINT_PROBE(syscalls, sys_enter_fallocate) { return count_write(); }
+
+/* --- events recorded at entry ------------------------------------------------- */
+
+static __always_inline int simple_event(u32 kind, s32 dfd, const void *path,
+                                        const void *path2, s64 arg)
+{
+    u32 tag = sandbox_tag();
+    if (!tag)
+        return 0;
+    struct event *e = new_event(tag, kind);
+    if (!e)
+        return 0;
+    e->dfd = dfd;
+    e->arg = arg;
+    if (path)
+        bpf_probe_read_user_str(e->path, sizeof(e->path), path);
+    if (path2)
+        bpf_probe_read_user_str(e->path2, sizeof(e->path2), path2);
+    events.ringbuf_submit(e, 0);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_mount)
+{
+    return simple_event(EV_MOUNT, AT_FDCWD_, args->dir_name, args->type, args->flags);
+}
+TRACEPOINT_PROBE(syscalls, sys_enter_umount)
+{
+    return simple_event(EV_UMOUNT, AT_FDCWD_, args->name, 0, args->flags);
+}
+TRACEPOINT_PROBE(syscalls, sys_enter_move_mount)
+{
+    return simple_event(EV_MOUNT, args->to_dfd, args->to_pathname, 0, args->flags);
+}
+TRACEPOINT_PROBE(syscalls, sys_enter_fsmount)
+{
+    return simple_event(EV_MOUNT, AT_FDCWD_, 0, 0, args->flags);
+}
+TRACEPOINT_PROBE(syscalls, sys_enter_mount_setattr)
+{
+    return simple_event(EV_MOUNT, args->dfd, args->path, 0, args->flags);
+}
+
+/* Kernel objects that outlive their creator and live in neither the file
+ * system snapshot nor a process: System V IPC, POSIX message queues. */
+TRACEPOINT_PROBE(syscalls, sys_enter_shmget) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, 0, 0, 1); }
+TRACEPOINT_PROBE(syscalls, sys_enter_msgget) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, 0, 0, 2); }
+TRACEPOINT_PROBE(syscalls, sys_enter_semget) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, 0, 0, 3); }
+TRACEPOINT_PROBE(syscalls, sys_enter_mq_open)
+{
+    if (!(args->oflag & O_CREAT_))
+        return 0;
+    return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, args->u_name, 0, 4);
+}
+
+/* Effects we cannot see through: io_uring submissions, writes into another
+ * process's memory. */
+TRACEPOINT_PROBE(syscalls, sys_enter_io_uring_setup) { return simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, 1); }
+TRACEPOINT_PROBE(syscalls, sys_enter_process_vm_writev)
+{
+    return simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, 2);
+}
+TRACEPOINT_PROBE(syscalls, sys_enter_ptrace)
+{
+    long r = args->request;
+    /* POKETEXT, POKEDATA, POKEUSER, SETREGS, SETFPREGS, SETREGSET, SETSIGINFO */
+    if (r == 4 || r == 5 || r == 6 || r == 13 || r == 15 || r == 0x4205 || r == 0x4203)
+        return simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, 3);
+    return 0;
+}
+
+/* --- network ---------------------------------------------------------------------- */
+
+static __always_inline int sock_event(u32 kind, const void *sa, s64 arg)
+{
+    u32 tag = sandbox_tag();
+    if (!tag)
+        return 0;
+    struct event *e = new_event(tag, kind);
+    if (!e)
+        return 0;
+    e->arg = arg;
+    if (sa) {
+        bpf_probe_read_user(&e->family, sizeof(e->family), sa);
+        u16 port = 0;
+        if (e->family == AF_INET_) {
+            bpf_probe_read_user(&port, 2, sa + 2);
+            bpf_probe_read_user(e->addr, 4, sa + 4);
+        } else if (e->family == AF_INET6_) {
+            bpf_probe_read_user(&port, 2, sa + 2);
+            bpf_probe_read_user(e->addr, 16, sa + 8);
+        } else if (e->family == AF_UNIX_) {
+            /* abstract names start with NUL: path[0] == 0, flagged by arg */
+            bpf_probe_read_user(e->path, 108, sa + 2);
+        }
+        e->port = (port >> 8) | ((port & 0xff) << 8);
+    }
+    events.ringbuf_submit(e, 0);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_connect) { return sock_event(EV_CONNECT, args->uservaddr, args->fd); }
+TRACEPOINT_PROBE(syscalls, sys_enter_bind) { return sock_event(EV_BIND, args->umyaddr, args->fd); }
+TRACEPOINT_PROBE(syscalls, sys_enter_listen) { return sock_event(EV_LISTEN, 0, args->fd); }
+TRACEPOINT_PROBE(syscalls, sys_enter_sendto)
+{
+    if (!args->addr)
+        return 0;
+    return sock_event(EV_SEND, args->addr, args->fd);
+}
+TRACEPOINT_PROBE(syscalls, sys_enter_sendmsg)
+{
+    u64 name = 0;
+    bpf_probe_read_user(&name, sizeof(name), (void *)args->msg); /* msg_name */
+    if (!name)
+        return 0;
+    return sock_event(EV_SEND, (const void *)name, args->fd);
+}
+TRACEPOINT_PROBE(syscalls, sys_enter_sendmmsg)
+{
+    u64 name = 0;
+    bpf_probe_read_user(&name, sizeof(name), (void *)args->mmsg); /* first msg_name */
+    if (!name)
+        return 0;
+    return sock_event(EV_SEND, (const void *)name, args->fd);
+}
+
+/* --- processes ------------------------------------------------------------------------ */
+
+/* execve attempts carry argv (read now: the old image is gone at exit);
+ * sched_process_exec then confirms the ones that succeeded. */
+static __always_inline int exec_attempt(s32 dfd, const char *filename, const char *const *argv)
+{
+    u32 tag = sandbox_tag();
+    if (!tag)
+        return 0;
+    struct event *e = new_event(tag, EV_EXEC_ARGS);
+    if (!e)
+        return 0;
+    e->dfd = dfd;
+    bpf_probe_read_user_str(e->path, sizeof(e->path), filename);
+#pragma unroll
+    for (int i = 0; i < ARGV_SLOTS; i++) {
+        const char *a = 0;
+        bpf_probe_read_user(&a, sizeof(a), &argv[i]);
+        if (!a)
+            break;
+        bpf_probe_read_user_str(&e->path2[i * ARG_LEN], ARG_LEN, a);
+        e->nargs = i + 1;
+    }
+    events.ringbuf_submit(e, 0);
+    return 0;
+}
+TRACEPOINT_PROBE(syscalls, sys_enter_execve)
+{
+    return exec_attempt(AT_FDCWD_, args->filename, (const char *const *)args->argv);
+}
+TRACEPOINT_PROBE(syscalls, sys_enter_execveat)
+{
+    return exec_attempt(args->fd, args->filename, (const char *const *)args->argv);
+}
+
+TRACEPOINT_PROBE(sched, sched_process_exec)
+{
+    u32 tag = sandbox_tag();
+    if (!tag)
+        return 0;
+    struct event *e = new_event(tag, EV_EXEC);
+    if (!e)
+        return 0;
+    e->arg = args->old_pid;
+    events.ringbuf_submit(e, 0);
+    return 0;
+}
+
+TRACEPOINT_PROBE(sched, sched_process_fork)
+{
+    u32 tag = sandbox_tag();
+    if (!tag)
+        return 0;
+    u32 child = args->child_pid;
+#if FOLLOW_PIDS
+    /* threads share the tgid entry; only processes need their own */
+    watched_pids.update(&child, &tag);
+#endif
+    struct event *e = new_event(tag, EV_FORK);
+    if (!e)
+        return 0;
+    e->arg = child;
+    events.ringbuf_submit(e, 0);
+    return 0;
+}
+
+TRACEPOINT_PROBE(sched, sched_process_exit)
+{
+    u64 pt = bpf_get_current_pid_tgid();
+    if ((u32)pt != (u32)(pt >> 32))
+        return 0; /* a thread, not the process */
+    u32 tag = sandbox_tag();
+    if (!tag)
+        return 0;
+#if FOLLOW_PIDS
+    u32 tgid = pt >> 32;
+    watched_pids.delete(&tgid);
+#endif
+    struct event *e = new_event(tag, EV_EXIT);
+    if (!e)
+        return 0;
+    events.ringbuf_submit(e, 0);
+    return 0;
+}
