@@ -1,0 +1,65 @@
+"""Event record layout: Python mirror of struct event, decoding, program text."""
+
+import ctypes
+
+from ebpf._events import (ARG_LEN, AT_FDCWD, RawEvent, EventKind, decode, defines, program_text)
+
+
+def raw(kind, **kw) -> bytes:
+    r = RawEvent()
+    r.kind = int(kind)
+    r.tag, r.pid, r.tid, r.ts = 3, 100, 101, 42
+    r.dfd = r.dfd2 = AT_FDCWD
+    for k, v in kw.items():
+        if k in ("path", "path2"):
+            buf = (ctypes.c_char * len(v)).from_buffer_copy(v)
+            ctypes.memmove(ctypes.addressof(r) + getattr(RawEvent, k).offset, buf, len(v))
+        elif k == "addr":
+            for i, b in enumerate(v):
+                r.addr[i] = b
+        else:
+            setattr(r, k, v)
+    return bytes(r)
+
+
+def test_struct_size_matches_c_layout():
+    # 8 + 4*4 + 8*2 + 4*2 + 2*2 + 4 + 16 + 16 + 256*2
+    assert ctypes.sizeof(RawEvent) == 8 + 16 + 16 + 8 + 4 + 4 + 16 + 16 + 512
+
+
+def test_decode_file_event():
+    ev = decode(raw(EventKind.RENAME, path=b"a.txt\0", path2=b"/app/b.txt\0", dfd2=5))
+    assert (ev.kind, ev.path, ev.path2, ev.dfd2, ev.pid, ev.tid, ev.tag) == (
+        EventKind.RENAME, "a.txt", "/app/b.txt", 5, 100, 101, 3)
+
+
+def test_decode_exec_argv_slots():
+    blob = b"".join(a.ljust(ARG_LEN, b"\0") for a in (b"git", b"push", b"origin"))
+    ev = decode(raw(EventKind.EXEC_ARGS, path=b"/usr/bin/git\0", path2=blob, nargs=3))
+    assert ev.argv == ("git", "push", "origin")
+    assert ev.path == "/usr/bin/git"
+
+
+def test_decode_inet_and_unix_addresses():
+    ev = decode(raw(EventKind.CONNECT, family=2, port=8080, addr=bytes([10, 251, 0, 2])))
+    assert (ev.addr, ev.port) == ("10.251.0.2", 8080)
+    ev6 = decode(raw(EventKind.CONNECT, family=10, port=443, addr=bytes(15) + b"\x01"))
+    assert ev6.addr == "::1"
+    abstract = decode(raw(EventKind.CONNECT, family=1, path=b"\0name\0"))
+    assert abstract.path == "@name"
+
+
+def test_program_text_defines_every_kind_and_is_printable():
+    text = program_text()
+    for k in EventKind:
+        assert f"#define EV_{k.name} ({int(k)})" in text
+    assert "TRACEPOINT_PROBE(syscalls, sys_enter_openat)" in text
+    assert "#define FOLLOW_PIDS (0)" in text
+    assert "#define FOLLOW_PIDS (1)" in program_text(follow_pids=True)
+    assert defines()["OPEN_WRITE_FLAGS"] & 0o1
+
+
+def test_cli_prints_program(capsys):
+    from ebpf.inspector import main
+    assert main(["--print-program"]) == 0
+    assert "BPF_RINGBUF_OUTPUT(events" in capsys.readouterr().out
