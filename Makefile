@@ -1,0 +1,35 @@
+# crabd: two commands for a newcomer, both as root.
+#   make demo   prepare the host (idempotent) and show crabd's main job
+#   make test   prepare the host and run every test (unit + integration)
+# These hosts have no sudo: when not root, re-run through sudo only if it
+# exists, else say to run as root.
+
+SHELL := /bin/bash
+PYTEST_ARGS ?=
+
+.PHONY: demo test setup unit help
+
+help:
+	@echo "make demo   - prepare this host and run the crabd demo (root)"
+	@echo "make test   - prepare this host and run all tests (root)"
+	@echo "make unit   - unit tests only (no root needed, after setup)"
+
+# One shell line per target, so that `exec sudo` replaces it and nothing
+# after it runs as the unprivileged user.
+AS_ROOT = if [ "$$(id -u)" != 0 ]; then \
+	    if command -v sudo >/dev/null 2>&1; then exec sudo $(MAKE) $@; fi; \
+	    echo "make $@ needs root (it prepares the host, runs runc, mounts file systems, loads BPF)."; \
+	    echo "Run it as root; this host has no sudo."; exit 1; \
+	fi;
+
+setup:
+	@$(AS_ROOT) scripts/setup-host
+
+demo:
+	@$(AS_ROOT) scripts/setup-host && .venv/bin/python scripts/demo.py
+
+test:
+	@$(AS_ROOT) scripts/setup-host && .venv/bin/python -m pytest -q -ra $(PYTEST_ARGS) tests
+
+unit:
+	@.venv/bin/python -m pytest -q tests/unit

@@ -1,0 +1,71 @@
+"""SubprocessRunner with ordinary processes: no root."""
+
+import os
+import threading
+import time
+
+import pytest
+
+from crabd.errors import CommandFailed
+from crabd.runner import SubprocessRunner
+
+
+def test_run_keeps_stderr_for_the_error():
+    with pytest.raises(CommandFailed) as ei:
+        SubprocessRunner().run(["sh", "-c", "echo boom >&2; exit 3"], timeout=5, context="the test")
+    assert ei.value.returncode == 3 and "boom" in str(ei.value) and "the test" in str(ei.value)
+
+
+def test_missing_program_says_how_to_fix():
+    with pytest.raises(CommandFailed, match="setup-host"):
+        SubprocessRunner().run(["/nonexistent/tool"], timeout=5)
+
+
+def test_capture_does_not_wait_for_background_children():
+    t = time.monotonic()
+    c = SubprocessRunner().capture(["sh", "-c", "sleep 30 & echo started"], timeout=10, input=None, cap=1000)
+    assert time.monotonic() - t < 5
+    assert c.stdout == b"started\n" and c.returncode == 0 and not c.timed_out
+
+
+def test_capture_caps_output_and_counts_the_rest():
+    c = SubprocessRunner().capture(["sh", "-c", "head -c 100000 /dev/zero"], timeout=10, input=None, cap=1000)
+    assert len(c.stdout) == 1000 and c.stdout_dropped == 99000
+
+
+def test_capture_feeds_stdin():
+    data = b"x" * 300000  # more than a pipe buffer
+    c = SubprocessRunner().capture(["wc", "-c"], timeout=10, input=data, cap=1000)
+    assert c.stdout.strip() == b"300000"
+
+
+def test_capture_timeout_kills_the_process_group():
+    calls = []
+    t = time.monotonic()
+    c = SubprocessRunner().capture(["sh", "-c", "echo before; sleep 30"], timeout=0.5, input=None, cap=1000,
+                                   on_timeout=lambda: calls.append(1))
+    assert c.timed_out and c.returncode is None and calls == [1]
+    assert c.stdout == b"before\n"
+    assert time.monotonic() - t < 5
+
+
+def test_capture_waits_for_a_status_line():
+    r, w = os.pipe()
+    # The launcher exits at once (as runc exec --detach does); the command's
+    # wrapper reports later on the status fd.
+    threading.Timer(0.3, lambda: os.write(w, b"X 7\n")).start()
+    t = time.monotonic()
+    c = SubprocessRunner().capture(["true"], timeout=10, input=None, cap=100,
+                                   status_fd=r, still_running=lambda: True)
+    os.close(w)
+    os.close(r)
+    assert c.status == "X 7" and time.monotonic() - t >= 0.3
+
+
+def test_capture_ends_when_the_wrapper_vanishes_without_status():
+    r, w = os.pipe()
+    c = SubprocessRunner().capture(["true"], timeout=10, input=None, cap=100,
+                                   status_fd=r, still_running=lambda: False)
+    os.close(w)
+    os.close(r)
+    assert c.status is None and c.returncode == 0
