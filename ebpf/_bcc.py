@@ -74,8 +74,8 @@ class BccLoader:
         ).is_dir():
             raise BPFUnavailable("tracefs is not mounted; fix: mount -t tracefs tracefs /sys/kernel/tracing")
         try:
-            bpf = BPF(text=self.program())
-            bpf["events"].open_ring_buffer(self._on_event)
+            bpf = BPF(text=self.program().encode())
+            bpf[b"events"].open_ring_buffer(self._on_event)
         except Exception as e:  # bcc raises bare Exception
             raise BPFUnavailable(f"compiling or attaching the inspector program failed: {e}") from e
         self._bpf = bpf
@@ -89,7 +89,7 @@ class BccLoader:
     def _table(self, name: str):  # noqa: ANN202 - bcc table types are untyped
         if self._bpf is None:
             raise BPFUnavailable("the inspector program is not loaded; call open() first")
-        return self._bpf[name]
+        return self._bpf[name.encode()]
 
     def add_cgroup(self, cgroup_id: int, level: int, tag: int) -> None:
         self._table("watched")[ctypes.c_uint64(cgroup_id)] = ctypes.c_uint32(tag)

@@ -12,7 +12,19 @@ import posixpath
 import re
 from collections.abc import Iterable
 
-from ebpf._events import AF_INET, AF_INET6, AF_NETLINK, AF_UNIX, AT_FDCWD, FILE_KINDS, Event, EventKind
+from ebpf._events import (
+    AF_INET,
+    AF_INET6,
+    AF_NETLINK,
+    AF_UNIX,
+    AT_FDCWD,
+    FILE_KINDS,
+    O_CREAT,
+    O_EXCL,
+    O_TMPFILE,
+    Event,
+    EventKind,
+)
 from ebpf._proc import ProcInfo
 from ebpf.effects import (
     MAX_SAMPLES,
@@ -165,6 +177,13 @@ class TurnRecorder:
         self._exec_args: dict[int, Event] = {}
         self._bound: dict[tuple[int, int], str] = {}
         self._listens: list[tuple[int, int]] = []
+        # Files and directories this turn certainly created (O_CREAT|O_EXCL,
+        # mkdir), held back: if the same process deletes the same path before
+        # the turn ends, both cancel out (lock files, temporary files: git
+        # status takes and drops .git/index.lock). Key: the path and, for a
+        # relative one, the process and directory fd it is relative to.
+        self._fresh: dict[tuple[int, int, str], tuple[str, str]] = {}
+        self.transient = 0
         self.events = 0
 
     # -- helpers
@@ -174,6 +193,12 @@ class TurnRecorder:
     def _external(self, why: str) -> None:
         if why not in self.external and len(self.external) < self.max:
             self.external.append(why)
+
+    @staticmethod
+    def _fresh_key(ev: Event) -> tuple[int, int, str]:
+        if ev.path.startswith("/"):
+            return (0, 0, posixpath.normpath(ev.path))
+        return (ev.pid, ev.dfd, posixpath.normpath(ev.path))
 
     def _file(self, kind: str, shown: str, paths: list[tuple[str, int]]) -> None:
         scopes = {path_scope(p) if p else "rootfs" for p, _dfd in paths}
@@ -203,6 +228,20 @@ class TurnRecorder:
                 shown = f"{a} [{ev.path2}]"
             else:
                 shown = a
+            if k == EventKind.OPEN_WRITE and ev.arg & O_TMPFILE == O_TMPFILE:
+                # an unnamed file in a directory: invisible unless linkat()
+                # names it later, and that is a LINK event of its own
+                self.transient += 1
+                return
+            if ev.path and (
+                (k == EventKind.OPEN_WRITE and ev.arg & (O_CREAT | O_EXCL) == O_CREAT | O_EXCL) or k == EventKind.MKDIR
+            ):
+                self._fresh[self._fresh_key(ev)] = (FILE_KINDS[k], shown)
+                return
+            if ev.path and k in (EventKind.UNLINK, EventKind.RMDIR):
+                if self._fresh.pop(self._fresh_key(ev), None) is not None:
+                    self.transient += 1
+                    return
             self._file(FILE_KINDS[k], shown, paths)
         elif k == EventKind.EXEC_ARGS:
             self._exec_args[ev.tid] = ev
@@ -256,6 +295,11 @@ class TurnRecorder:
             self.conn.external.add(dest, self.max)
             self._external(f"{'connect' if ev.kind == EventKind.CONNECT else 'send'} to {dest} ({ev.comm})")
 
+    def _flush_fresh(self) -> None:
+        for (_pid, _dfd, path), (kind, shown) in self._fresh.items():
+            self._file(kind, shown, [(path, AT_FDCWD if path.startswith("/") else _dfd)])
+        self._fresh.clear()
+
     def carry_over(self, nxt: TurnRecorder) -> None:
         """Hand exec attempts not yet confirmed to the next turn's recorder."""
         for tid, ev in self._exec_args.items():
@@ -280,6 +324,8 @@ class TurnRecorder:
         notes: list[str] | None = None,
         external_unknown: bool = False,
     ) -> Effects:
+        self._flush_fresh()
+
         def rec(i: ProcInfo) -> ProcessRecord:
             return ProcessRecord(pid=i.pid, comm=i.comm, cmdline=list(i.cmdline))
 
@@ -313,6 +359,7 @@ class TurnRecorder:
             files=self.files,
             special_writes=self.special,
             write_syscalls=write_syscalls,
+            transient_files=self.transient,
             execs=self.execs,
             exec_count=self.exec_count,
             package_managers=sorted(self.package_managers),

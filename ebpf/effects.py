@@ -117,6 +117,13 @@ class Effects(BaseModel):
             "tmpfs (/dev/shm and the rest of /dev: lives in memory, only a process checkpoint keeps it)"
         ),
     )
+    transient_files: int = Field(
+        0,
+        description=(
+            "files/directories created (O_EXCL, mkdir) and deleted again by the same process within "
+            "the turn, e.g. lock files: no net change, not counted in `files`"
+        ),
+    )
     write_syscalls: int = Field(0, description="write/pwrite/writev/sendfile/splice/copy_file_range/fallocate calls")
 
     execs: list[ExecRecord] = Field(default_factory=list, description=f"first {MAX_SAMPLES} execs")

@@ -269,3 +269,55 @@ def test_cgroup_mode_uses_inode_and_level(tmp_path, monkeypatch):
     assert loader.cgroups == {}
     insp.close()
     assert loader.closed
+
+
+def test_exclusive_create_then_delete_by_same_process_cancels(env):
+    insp, loader, procs, tag = env
+    excl = O_WRONLY | O_CREAT | 0o200
+    loader.emit(
+        ev(K.OPEN_WRITE, tag, pid=10, path="/app/.git/index.lock", arg=excl),
+        ev(K.UNLINK, tag, pid=10, path="/app/.git/index.lock"),
+        ev(K.MKDIR, tag, pid=10, path="tmpd"),
+        ev(K.RMDIR, tag, pid=10, path="tmpd"),
+    )
+    e = insp.end_turn("sb")
+    assert e.file_changes == 0 and e.transient_files == 2
+    assert classify(e).kind is PlanKind.SKIP
+
+
+def test_cancellation_is_conservative(env):
+    insp, loader, procs, tag = env
+    excl = O_WRONLY | O_CREAT | 0o200
+    loader.emit(
+        # not exclusive: the file may have existed, its deletion is a change
+        ev(K.OPEN_WRITE, tag, pid=10, path="/app/a", arg=O_WRONLY | O_CREAT),
+        ev(K.UNLINK, tag, pid=10, path="/app/a"),
+        # relative path deleted by another process: may be another directory
+        ev(K.OPEN_WRITE, tag, pid=10, path="b", arg=excl),
+        ev(K.UNLINK, tag, pid=11, path="b"),
+        # renamed away before the delete: the rename stays a change
+        ev(K.OPEN_WRITE, tag, pid=10, path="/app/c.lock", arg=excl),
+        ev(K.RENAME, tag, pid=10, path="/app/c.lock", path2="/app/c"),
+    )
+    e = insp.end_turn("sb")
+    assert e.files["write"].count == 3 and e.files["delete"].count == 2 and e.files["rename"].count == 1
+    assert classify(e).kind is PlanKind.FS
+
+
+def test_exclusive_create_kept_across_the_cut_is_a_change(env):
+    insp, loader, procs, tag = env
+    loader.emit(ev(K.OPEN_WRITE, tag, pid=10, path="/app/x", arg=O_WRONLY | O_CREAT | 0o200))
+    assert insp.end_turn("sb").files["write"].count == 1
+    loader.emit(ev(K.UNLINK, tag, pid=10, path="/app/x"))
+    assert insp.end_turn("sb").files["delete"].count == 1
+
+
+def test_o_tmpfile_is_transient_but_linking_it_is_a_change(env):
+    insp, loader, procs, tag = env
+    from ebpf._events import O_TMPFILE
+    loader.emit(ev(K.OPEN_WRITE, tag, path="/tmp", arg=O_TMPFILE | 0o2))
+    e = insp.end_turn("sb")
+    assert e.file_changes == 0 and e.transient_files == 1
+    loader.emit(ev(K.OPEN_WRITE, tag, path="/tmp", arg=O_TMPFILE | 0o2),
+                ev(K.LINK, tag, path="/proc/self/fd/3", path2="/tmp/named"))
+    assert insp.end_turn("sb").files["link"].count == 1
