@@ -215,6 +215,8 @@ class OverlaySnapshotter(Snapshotter):
         return {"lowers": self._chain(parent), "manifest": None}
 
     def _create_view(self, row: Row, parent: Row) -> dict[str, Any]:
+        if len(self._chain(parent)) > self.max_depth:
+            self._compact_row(parent)
         return {}
 
     def _mounts(self, row: Row) -> list[Mount]:
@@ -397,6 +399,9 @@ class OverlaySnapshotter(Snapshotter):
             assert row.parent is not None
             lowers = self._lowers(self._chain(self.meta.by_id(row.parent)))
         else:
+            if len(self._chain(row)) > self.max_depth:
+                with self.meta.tx():
+                    self._compact_row(row)
             lowers = self._lowers(self._chain(row))
         self._vseq += 1
         target = self._abs(f"v/{os.getpid()}.{self._vseq}")

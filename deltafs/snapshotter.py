@@ -84,13 +84,17 @@ class Usage:
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@:+=-]{0,254}$")
 
 # Failpoints let the crash-safety test kill the process at an exact step of a
-# commit: DELTAFS_FAILPOINT=<name> makes `_failpoint(name)` SIGKILL us.
-_FAILPOINT = os.environ.get("DELTAFS_FAILPOINT", "")
+# commit: DELTAFS_FAILPOINT=<name>[@<n>] makes the n-th (default first)
+# `_failpoint(name)` SIGKILL the process. Unset, it costs one comparison.
+_FAILPOINT, _, _n = os.environ.get("DELTAFS_FAILPOINT", "").partition("@")
+_FAILPOINT_HITS = [int(_n or 1)]
 
 
 def _failpoint(name: str) -> None:
     if _FAILPOINT == name:
-        os.kill(os.getpid(), signal.SIGKILL)
+        _FAILPOINT_HITS[0] -= 1
+        if _FAILPOINT_HITS[0] <= 0:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _check_name(name: str) -> None:
