@@ -74,7 +74,7 @@ class BccLoader:
         ).is_dir():
             raise BPFUnavailable("tracefs is not mounted; fix: mount -t tracefs tracefs /sys/kernel/tracing")
         try:
-            bpf = BPF(text=self.program().encode())
+            bpf = BPF(text=self.program().encode(), cflags=["-w"])  # the kernel headers warn a lot
             bpf[b"events"].open_ring_buffer(self._on_event)
         except Exception as e:  # bcc raises bare Exception
             raise BPFUnavailable(f"compiling or attaching the inspector program failed: {e}") from e

@@ -100,6 +100,7 @@ class _Watched:
     cut_ns: int | None = None  # set while end_turn drains
     next_recorder: TurnRecorder | None = None
     stateless: frozenset[str] = DEFAULT_STATELESS
+    outside: tuple[str, ...] = ()
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -171,9 +172,24 @@ class Inspector:
                 out[pid] = info
         return out
 
-    def watch(self, sandbox_id: str, cgroup_path: str | os.PathLike[str], *, init_pid: int | None = None) -> None:
+    def watch(
+        self,
+        sandbox_id: str,
+        cgroup_path: str | os.PathLike[str],
+        *,
+        init_pid: int | None = None,
+        outside_paths: tuple[str, ...] = (),
+        stateless_comms: frozenset[str] = DEFAULT_STATELESS,
+    ) -> None:
         """Start attributing the tasks of `cgroup_path` (and its descendants)
-        to `sandbox_id`. `init_pid` is needed only in pid-following mode."""
+        to `sandbox_id`.
+
+        `init_pid` is needed only in pid-following mode. `outside_paths` are
+        path prefixes (as the sandbox sees them) that are not part of its
+        file system, e.g. a host directory the runtime bind-mounts for its own
+        use: writes there are reported as special_writes["outside"] and do
+        not make a turn FS. `stateless_comms` names processes whose waking up
+        changes no state (zombie-reaping inits)."""
         self.open()
         path = Path(cgroup_path)
         with self._state_lock:
@@ -193,8 +209,10 @@ class Inspector:
                 tag=tag,
                 cgroup_path=path,
                 cgroup_id=cgid,
-                recorder=TurnRecorder(self._max),
+                recorder=TurnRecorder(self._max, tuple(outside_paths)),
                 baseline={},
+                stateless=frozenset(stateless_comms),
+                outside=tuple(outside_paths),
                 writes_base=self._loader.write_count(tag),
                 dropped_base=self._loader.dropped_count(tag),
             )
@@ -239,7 +257,7 @@ class Inspector:
             with w.lock:
                 if w.cut_ns is not None and ev.ts > w.cut_ns:
                     if w.next_recorder is None:
-                        w.next_recorder = TurnRecorder(self._max)
+                        w.next_recorder = TurnRecorder(self._max, w.outside)
                     w.next_recorder.add(ev)
                 else:
                     w.recorder.add(ev)
@@ -282,7 +300,7 @@ class Inspector:
         dropped = self._loader.dropped_count(w.tag)
         after = self._snapshot(w.cgroup_path)
         with w.lock:
-            rec, w.recorder = w.recorder, (w.next_recorder or TurnRecorder(self._max))
+            rec, w.recorder = w.recorder, (w.next_recorder or TurnRecorder(self._max, w.outside))
             rec.carry_over(w.recorder)  # an exec whose argv came before the cut
             w.next_recorder = None
             w.cut_ns = None

@@ -57,7 +57,8 @@ EXTERNAL_SUBCOMMANDS = {
     "cargo": {"publish"}, "twine": {"upload"}, "gem": {"push"}, "docker": {"push"}, "podman": {"push"},
 }  # fmt: skip
 # Init processes that only reap zombies: their waking up changes nothing.
-DEFAULT_STATELESS = frozenset({"crabd-init", "tini", "dumb-init", "catatonit"})
+# (crabd bind-mounts its init as /dev/.crabd-init, hence the comm with a dot)
+DEFAULT_STATELESS = frozenset({"crabd-init", ".crabd-init", "tini", "dumb-init", "catatonit"})
 
 _DEVICES = {
     "/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty", "/dev/console",
@@ -159,8 +160,11 @@ def _sockaddr(ev: Event) -> str:
 class TurnRecorder:
     """Accumulates one sandbox's events for one turn."""
 
-    def __init__(self, max_samples: int = MAX_SAMPLES) -> None:
+    def __init__(self, max_samples: int = MAX_SAMPLES, outside: tuple[str, ...] = ()) -> None:
         self.max = max_samples
+        # path prefixes that are not the sandbox's file system (host bind
+        # mounts used by the runtime itself): writes there are "outside"
+        self.outside = tuple(posixpath.normpath(p) for p in outside)
         self.files: dict[str, Sample] = {}
         self.special: dict[str, Sample] = {}
         self.execs: list[ExecRecord] = []
@@ -200,8 +204,15 @@ class TurnRecorder:
             return (0, 0, posixpath.normpath(ev.path))
         return (ev.pid, ev.dfd, posixpath.normpath(ev.path))
 
+    def _scope(self, path: str) -> str:
+        if path.startswith("/") and self.outside:
+            p = posixpath.normpath(path)
+            if any(p == o or p.startswith(o + "/") for o in self.outside):
+                return "outside"
+        return path_scope(path) if path else "rootfs"
+
     def _file(self, kind: str, shown: str, paths: list[tuple[str, int]]) -> None:
-        scopes = {path_scope(p) if p else "rootfs" for p, _dfd in paths}
+        scopes = {self._scope(p) for p, _dfd in paths}
         if "rootfs" in scopes:
             self._sample(self.files, kind, shown)
         for s in scopes - {"rootfs"}:
@@ -304,6 +315,7 @@ class TurnRecorder:
         """Hand exec attempts not yet confirmed to the next turn's recorder."""
         for tid, ev in self._exec_args.items():
             nxt._exec_args.setdefault(tid, ev)
+        nxt.outside = self.outside
         self._exec_args.clear()
 
     # -- the result

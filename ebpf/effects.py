@@ -114,7 +114,8 @@ class Effects(BaseModel):
         description=(
             "writes outside the file-system snapshot: device (/dev/null, /dev/pts/*, ...: ignored), "
             "process (/proc/self/*: affects only the writer), kernel (/proc, /sys: kernel state), "
-            "tmpfs (/dev/shm and the rest of /dev: lives in memory, only a process checkpoint keeps it)"
+            "tmpfs (/dev/shm and the rest of /dev: lives in memory, only a process checkpoint keeps it), "
+            "outside (under a path the watcher declared not part of the sandbox's file system: ignored)"
         ),
     )
     transient_files: int = Field(

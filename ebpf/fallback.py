@@ -43,6 +43,7 @@ class _Watched:
     baseline: dict[int, ProcInfo]
     turn: int = 0
     started_ns: int = 0
+    stateless: frozenset[str] = DEFAULT_STATELESS
 
 
 class ProcInspector:
@@ -85,12 +86,22 @@ class ProcInspector:
                 out[pid] = info
         return out
 
-    def watch(self, sandbox_id: str, cgroup_path: str | os.PathLike[str], *, init_pid: int | None = None) -> None:
+    def watch(
+        self,
+        sandbox_id: str,
+        cgroup_path: str | os.PathLike[str],
+        *,
+        init_pid: int | None = None,
+        outside_paths: tuple[str, ...] = (),
+        stateless_comms: frozenset[str] = DEFAULT_STATELESS,
+    ) -> None:
+        """As `Inspector.watch`; `outside_paths` is unused (the change probe
+        only reports the sandbox's own file system)."""
         with self._lock:
             if sandbox_id in self._sandboxes:
                 raise AlreadyWatched(f"sandbox {sandbox_id!r} is already watched")
             path = Path(cgroup_path)
-            self._sandboxes[sandbox_id] = _Watched(sandbox_id, path, self._snapshot(path))
+            self._sandboxes[sandbox_id] = _Watched(sandbox_id, path, self._snapshot(path), stateless=stateless_comms)
         if self._probe is not None:
             self._probe(sandbox_id)  # start the probe's "since" at watch time
 
@@ -147,7 +158,7 @@ class ProcInspector:
             ended_ns=cut,
             before=before,
             after=after,
-            stateless=DEFAULT_STATELESS,
+            stateless=w.stateless,
             listening_now=listening,
             notes=notes,
             external_unknown=True,

@@ -321,3 +321,15 @@ def test_o_tmpfile_is_transient_but_linking_it_is_a_change(env):
     loader.emit(ev(K.OPEN_WRITE, tag, path="/tmp", arg=O_TMPFILE | 0o2),
                 ev(K.LINK, tag, path="/proc/self/fd/3", path2="/tmp/named"))
     assert insp.end_turn("sb").files["link"].count == 1
+
+
+def test_outside_paths_do_not_count(env):
+    insp, loader, procs, tag = env
+    procs.start("/cg/x", 900)
+    insp.watch("x", "/cg/x", init_pid=900, outside_paths=("/dev/.crabd",))
+    t = loader.tag_of(900)
+    loader.emit(ev(K.OPEN_WRITE, t, path="/dev/.crabd/exec-1.fifo", arg=O_WRONLY),
+                ev(K.OPEN_WRITE, t, path="/dev/.crabdX", arg=O_WRONLY))
+    e = insp.end_turn("x")
+    assert e.special_writes["outside"].count == 1
+    assert e.special_writes["tmpfs"].sample == ["/dev/.crabdX"]
