@@ -225,6 +225,37 @@ class Runtime:
             self._runc("start", sb.id, context=f"runc start of sandbox {sb.id}")
         return self.get(sb.id)
 
+    def set_root(self, ref: str, root: Sequence[Mount]) -> Sandbox:
+        """Replace a stopped sandbox's root (rollback, restore): unmounts the
+        old root and mounts the new one on the same path."""
+        sb = self.get(ref)
+        with self._lock(sb.id):
+            if sb.status in ("running", "paused", "created"):
+                raise FailedPrecondition(f"sandbox {sb.id} is {sb.status}; stop it before replacing its root")
+            self._unmount_root(sb)
+            sb.root = list(root)
+            self._save(sb)
+            mount_all(sb.root, str(sb.rootfs))
+        return self.get(sb.id)
+
+    def unmount_root(self, ref: str) -> None:
+        """Unmount a stopped sandbox's root (before its snapshot is removed)."""
+        sb = self.get(ref)
+        with self._lock(sb.id):
+            self._unmount_root(sb)
+
+    def _unmount_root(self, sb: Sandbox) -> None:
+        if is_mountpoint(str(sb.rootfs)):
+            try:
+                unmount(str(sb.rootfs))
+            except OSError:
+                # Something still holds it (a shell cd'ed into it on the
+                # host); detach so it goes when released.
+                unmount(str(sb.rootfs), detach=True)
+        if is_mountpoint(str(sb.rootfs)):
+            raise FailedPrecondition(f"root of sandbox {sb.id} is still mounted at {sb.rootfs}",
+                                     fix=f"umount {sb.rootfs}, then retry")
+
     def freeze(self, ref: str) -> None:
         sb = self._running(ref)
         Freezer(self.layout, sb.cgroup_rel).freeze()
@@ -249,17 +280,8 @@ class Runtime:
         sb = self.get(ref)
         with self._lock(sb.id):
             self._stop_locked(sb, 10.0)
-            if is_mountpoint(str(sb.rootfs)):
-                try:
-                    unmount(str(sb.rootfs))
-                except OSError:
-                    # Something still holds it (a shell cd'ed into it on the
-                    # host); detach so it goes when released.
-                    unmount(str(sb.rootfs), detach=True)
-            if is_mountpoint(str(sb.rootfs)):
-                # Never delete through a mounted root: that would delete the image.
-                raise FailedPrecondition(f"root of sandbox {sb.id} is still mounted at {sb.rootfs}",
-                                         fix=f"umount {sb.rootfs}, then retry")
+            # Never delete through a mounted root: that would delete the image.
+            self._unmount_root(sb)
             shutil.rmtree(sb.dir)
         with self._locks_guard:
             self._locks.pop(sb.id, None)

@@ -53,13 +53,13 @@ def test_capture_waits_for_a_status_line():
     r, w = os.pipe()
     # The launcher exits at once (as runc exec --detach does); the command's
     # wrapper reports later on the status fd.
-    threading.Timer(0.3, lambda: os.write(w, b"X 7\n")).start()
     t = time.monotonic()
+    threading.Timer(0.3, lambda: os.write(w, b"X 7\n")).start()
     c = SubprocessRunner().capture(["true"], timeout=10, input=None, cap=100,
                                    status_fd=r, still_running=lambda: True)
     os.close(w)
     os.close(r)
-    assert c.status == "X 7" and time.monotonic() - t >= 0.3
+    assert c.status == "X 7" and time.monotonic() - t >= 0.29
 
 
 def test_capture_ends_when_the_wrapper_vanishes_without_status():
