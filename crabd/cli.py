@@ -101,6 +101,31 @@ def doctor(state_dir: Optional[Path] = StateDir, as_json: bool = JsonOpt) -> Non
     raise typer.Exit(0 if ok else 1)
 
 
+@app.command()
+def serve(config_file: Optional[Path] = typer.Option(None, "--config", help="TOML settings [default: /etc/crabd/config.toml if it exists]"),
+          state_dir: Optional[Path] = StateDir,
+          socket: Optional[Path] = typer.Option(None, "--socket", envvar="CRABD_SOCKET", help="API unix socket [default: /run/crabd/crabd.sock]"),
+          no_auto_rollback: bool = typer.Option(False, "--no-auto-rollback", help="do not roll back sandboxes that die"),
+          no_scheduler: bool = typer.Option(False, "--no-scheduler", help="start every checkpoint at once (benchmark baseline)")) -> None:
+    """Run the crabd daemon (root): REST API on a unix socket."""
+    import asyncio
+    import logging
+    from .serve import serve as run
+    from .settings import load_settings
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s crabd %(levelname)s %(message)s")
+    def build():  # type: ignore[no-untyped-def]
+        path = config_file or Path("/etc/crabd/config.toml")
+        s = load_settings(path, missing_ok=config_file is None)
+        return s.with_overrides(state_dir=state_dir, socket=socket,
+                                auto_rollback=False if no_auto_rollback else None,
+                                scheduler={"enabled": False} if no_scheduler else None)
+    settings = _guard(build, False)
+    try:
+        _guard(lambda: asyncio.run(run(settings)), False)
+    except KeyboardInterrupt:
+        pass
+
+
 # --- images -----------------------------------------------------------------------
 @image_app.command("import")
 def image_import(source: str = typer.Argument(..., help="directory, tarball, or docker://NAME[:TAG]"),

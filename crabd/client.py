@@ -1,0 +1,233 @@
+"""Python client of crabd's REST API, over the daemon's unix socket.
+
+    from crabd.client import Client
+    c = Client()                                  # $CRABD_SOCKET or /run/crabd/crabd.sock
+    sb = c.create_sandbox("debian-py")
+    r = c.exec(sb["id"], "pytest -q")             # a turn: checkpointed while you wait on the LLM
+    c.rollback(sb["id"], r["checkpoint"])         # back to the state after that turn
+
+Errors come back as the same `crabd.errors` classes the daemon raised
+(NotFound, FailedPrecondition, InvalidArgument, ExecTimeout, ...).
+`AsyncClient` has the same methods, awaitable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, AsyncIterator, Iterator, Sequence
+
+import httpx
+
+from . import errors as E
+
+__all__ = ["Client", "AsyncClient", "DEFAULT_SOCKET", "default_socket"]
+
+DEFAULT_SOCKET = "/run/crabd/crabd.sock"
+_BY_CODE: dict[str, type[E.CrabdError]] = {
+    "not_found": E.NotFound, "already_exists": E.AlreadyExists, "failed_precondition": E.FailedPrecondition,
+    "sandbox_not_running": E.SandboxNotRunning, "invalid_argument": E.InvalidArgument,
+    "exec_error": E.ExecError, "command_not_found": E.CommandNotFound,
+}
+
+
+def default_socket() -> str:
+    return os.environ.get("CRABD_SOCKET", DEFAULT_SOCKET)
+
+
+def _raise(resp: httpx.Response) -> Any:
+    if resp.status_code < 400:
+        return resp.json() if resp.content else None
+    try:
+        err = resp.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        raise E.CrabdError(f"HTTP {resp.status_code}: {resp.text[:300]}") from None
+    code, msg, fix = err.get("code", ""), err.get("message", ""), err.get("fix")
+    if code == "exec_timeout":
+        raise E.ExecTimeout(msg, stdout=err.get("stdout", ""), stderr=err.get("stderr", ""))
+    cls = _BY_CODE.get(code, E.CrabdError)
+    e = cls(msg, fix=fix)
+    e.code = code or e.code
+    raise e
+
+
+def _body(cmd: Sequence[str] | str, timeout: float | None, env: dict[str, str] | None, cwd: str | None,
+          stdin: str | None) -> dict[str, Any]:
+    b: dict[str, Any] = {"cmd": cmd if isinstance(cmd, str) else list(cmd), "timeout": timeout}
+    for k, v in (("env", env), ("cwd", cwd), ("stdin", stdin)):
+        if v is not None:
+            b[k] = v
+    return b
+
+
+class Client:
+    """Synchronous client. `socket` defaults to $CRABD_SOCKET or /run/crabd/crabd.sock."""
+
+    def __init__(self, socket: str | Path | None = None, *, timeout: float = 3600.0) -> None:
+        self.socket = str(socket or default_socket())
+        self._http = httpx.Client(transport=httpx.HTTPTransport(uds=self.socket), base_url="http://crabd",
+                                  timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _req(self, method: str, path: str, **kw: Any) -> Any:
+        try:
+            return _raise(self._http.request(method, path, **kw))
+        except httpx.TransportError as e:
+            raise E.FailedPrecondition(f"cannot reach crabd at {self.socket}: {e}",
+                                       fix="start it: crabd serve (or systemctl start crabd); or set CRABD_SOCKET") from e
+
+    # sandboxes
+    def create_sandbox(self, image: str, name: str | None = None, limits: dict[str, Any] | None = None) -> dict[str, Any]:
+        return self._req("POST", "/v1/sandboxes", json={"image": image, "name": name, "limits": limits})
+
+    def sandboxes(self) -> list[dict[str, Any]]:
+        return self._req("GET", "/v1/sandboxes")["sandboxes"]
+
+    def sandbox(self, sid: str) -> dict[str, Any]:
+        return self._req("GET", f"/v1/sandboxes/{sid}")
+
+    def delete_sandbox(self, sid: str) -> None:
+        self._req("DELETE", f"/v1/sandboxes/{sid}")
+
+    # turns
+    def exec(self, sid: str, cmd: Sequence[str] | str, *, timeout: float | None = 600.0,
+             env: dict[str, str] | None = None, cwd: str | None = None, stdin: str | None = None) -> dict[str, Any]:
+        return self._req("POST", f"/v1/sandboxes/{sid}/exec", json=_body(cmd, timeout, env, cwd, stdin))
+
+    def end_turn(self, sid: str) -> dict[str, Any]:
+        return self._req("POST", f"/v1/sandboxes/{sid}/turns/end")
+
+    # checkpoints
+    def checkpoints(self, sid: str, all: bool = False) -> list[dict[str, Any]]:
+        return self._req("GET", f"/v1/sandboxes/{sid}/checkpoints", params={"all": all})["checkpoints"]
+
+    def checkpoint(self, cid: str) -> dict[str, Any]:
+        return self._req("GET", f"/v1/checkpoints/{cid}")
+
+    def create_checkpoint(self, sid: str) -> dict[str, Any]:
+        return self._req("POST", f"/v1/sandboxes/{sid}/checkpoints")
+
+    def delete_checkpoint(self, cid: str) -> None:
+        self._req("DELETE", f"/v1/checkpoints/{cid}")
+
+    def diff(self, a: str, b: str) -> dict[str, Any]:
+        return self._req("GET", f"/v1/checkpoints/{a}/diff/{b}")
+
+    def rollback(self, sid: str, checkpoint: str | int | None = None) -> dict[str, Any]:
+        return self._req("POST", f"/v1/sandboxes/{sid}/rollback", json={"checkpoint": checkpoint})
+
+    def fork(self, cid: str, count: int = 1) -> dict[str, Any]:
+        return self._req("POST", f"/v1/checkpoints/{cid}/fork", json={"count": count})
+
+    # events, health
+    def events(self, since: int = 0, sandbox: str | None = None) -> list[dict[str, Any]]:
+        params: dict[str, Any] = {"since": since, "follow": False}
+        if sandbox:
+            params["sandbox"] = sandbox
+        return self._req("GET", "/v1/events", params=params)["events"]
+
+    def follow_events(self, since: int = 0, sandbox: str | None = None) -> Iterator[dict[str, Any]]:
+        params: dict[str, Any] = {"since": since}
+        if sandbox:
+            params["sandbox"] = sandbox
+        with self._http.stream("GET", "/v1/events", params=params, timeout=None) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    yield json.loads(line[6:])
+
+    def health(self) -> dict[str, Any]:
+        return self._req("GET", "/v1/health")
+
+
+class AsyncClient:
+    """The same API, awaitable (for agents built on asyncio)."""
+
+    def __init__(self, socket: str | Path | None = None, *, timeout: float = 3600.0) -> None:
+        self.socket = str(socket or default_socket())
+        self._http = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=self.socket), base_url="http://crabd",
+                                       timeout=timeout)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _req(self, method: str, path: str, **kw: Any) -> Any:
+        try:
+            return _raise(await self._http.request(method, path, **kw))
+        except httpx.TransportError as e:
+            raise E.FailedPrecondition(f"cannot reach crabd at {self.socket}: {e}",
+                                       fix="start it: crabd serve; or set CRABD_SOCKET") from e
+
+    async def create_sandbox(self, image: str, name: str | None = None,
+                             limits: dict[str, Any] | None = None) -> dict[str, Any]:
+        return await self._req("POST", "/v1/sandboxes", json={"image": image, "name": name, "limits": limits})
+
+    async def sandboxes(self) -> list[dict[str, Any]]:
+        return (await self._req("GET", "/v1/sandboxes"))["sandboxes"]
+
+    async def sandbox(self, sid: str) -> dict[str, Any]:
+        return await self._req("GET", f"/v1/sandboxes/{sid}")
+
+    async def delete_sandbox(self, sid: str) -> None:
+        await self._req("DELETE", f"/v1/sandboxes/{sid}")
+
+    async def exec(self, sid: str, cmd: Sequence[str] | str, *, timeout: float | None = 600.0,
+                   env: dict[str, str] | None = None, cwd: str | None = None,
+                   stdin: str | None = None) -> dict[str, Any]:
+        return await self._req("POST", f"/v1/sandboxes/{sid}/exec", json=_body(cmd, timeout, env, cwd, stdin))
+
+    async def end_turn(self, sid: str) -> dict[str, Any]:
+        return await self._req("POST", f"/v1/sandboxes/{sid}/turns/end")
+
+    async def checkpoints(self, sid: str, all: bool = False) -> list[dict[str, Any]]:
+        return (await self._req("GET", f"/v1/sandboxes/{sid}/checkpoints", params={"all": all}))["checkpoints"]
+
+    async def checkpoint(self, cid: str) -> dict[str, Any]:
+        return await self._req("GET", f"/v1/checkpoints/{cid}")
+
+    async def create_checkpoint(self, sid: str) -> dict[str, Any]:
+        return await self._req("POST", f"/v1/sandboxes/{sid}/checkpoints")
+
+    async def delete_checkpoint(self, cid: str) -> None:
+        await self._req("DELETE", f"/v1/checkpoints/{cid}")
+
+    async def diff(self, a: str, b: str) -> dict[str, Any]:
+        return await self._req("GET", f"/v1/checkpoints/{a}/diff/{b}")
+
+    async def rollback(self, sid: str, checkpoint: str | int | None = None) -> dict[str, Any]:
+        return await self._req("POST", f"/v1/sandboxes/{sid}/rollback", json={"checkpoint": checkpoint})
+
+    async def fork(self, cid: str, count: int = 1) -> dict[str, Any]:
+        return await self._req("POST", f"/v1/checkpoints/{cid}/fork", json={"count": count})
+
+    async def events(self, since: int = 0, sandbox: str | None = None) -> list[dict[str, Any]]:
+        params: dict[str, Any] = {"since": since, "follow": False}
+        if sandbox:
+            params["sandbox"] = sandbox
+        return (await self._req("GET", "/v1/events", params=params))["events"]
+
+    async def follow_events(self, since: int = 0, sandbox: str | None = None) -> AsyncIterator[dict[str, Any]]:
+        params: dict[str, Any] = {"since": since}
+        if sandbox:
+            params["sandbox"] = sandbox
+        async with self._http.stream("GET", "/v1/events", params=params, timeout=None) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    yield json.loads(line[6:])
+
+    async def health(self) -> dict[str, Any]:
+        return await self._req("GET", "/v1/health")

@@ -1,0 +1,677 @@
+"""The daemon's core: one object wiring runtime, deltafs, the inspector, the
+store and the scheduler into sandboxes with turns, checkpoints, rollback and
+fork.
+
+Concurrency model: the asyncio loop owns the coordinator (`Turns`, one per
+sandbox: a lock that serialises that sandbox's execs and rollbacks, and the
+future of its pending capture); everything that blocks (runc, mounts,
+snapshots, SQLite) runs in worker threads through `asyncio.to_thread`.
+
+One turn, as data (shared/DESIGN.md): exec -> inspector marks the turn ->
+`runc exec` -> inspector closes the turn -> Effects -> classify -> Plan ->
+pending checkpoint row + scheduler job -> reply to the agent. The job
+(`_capture`) runs while the agent waits on its LLM: writeback, freeze,
+deltafs checkpoint, thaw, commit the row. The next exec of that sandbox waits
+for the capture if it is not done yet: that wait is the *stall*.
+
+A SKIP turn gets a committed checkpoint row that shares its parent's
+file-system snapshot (and process image): rolling back to it is rolling back
+to the same state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import deltafs
+import psutil
+from deltafs import mount_all, unmount
+
+from . import config
+from .errors import CrabdError, FailedPrecondition, InvalidArgument, NotFound
+from .runtime import Freezer, Limits, Runtime
+from .metrics import PHASES
+from .store import SCHEMA_VERSION, CheckpointRow, SandboxRow, Store
+
+log = logging.getLogger("crabd")
+
+__all__ = ["Daemon", "DaemonOptions"]
+
+# Paths inside a sandbox that belong to crabd, not to the sandbox's state
+# (the exec status fifos): writes there never make a turn FS.
+_CRABD_PATHS = ("/dev/.crabd",)
+
+
+@dataclass
+class DaemonOptions:
+    auto_rollback: bool = True
+    snapshot_driver: str = "auto"
+    max_concurrency: int = 2
+    keep_last: int = 0            # 0 = keep every checkpoint
+    use_bpf: bool = True
+
+
+@dataclass
+class Turns:
+    """Per-sandbox turn state, owned by the event loop."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    capture: asyncio.Future[Any] | None = None
+    last_end: float | None = None
+    init_pid: int | None = None
+    recovering: bool = False
+
+
+class Daemon:
+    def __init__(self, state_dir: Path | str | None = None, *, options: DaemonOptions | None = None,
+                 inspector: Any = None) -> None:
+        self.state_dir = Path(state_dir) if state_dir else config.state_dir_from_env()
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.state_dir, 0o700)
+        self.options = options or DaemonOptions()
+        self.store = Store(self.state_dir)
+        self.runtime = Runtime(self.state_dir)
+        self.fs = self._open_fs()
+        self.inspector = inspector if inspector is not None else self._open_inspector()
+        from .metrics import Metrics
+        from .scheduler import Scheduler, SchedulerPolicy
+        self.metrics = Metrics()
+        self.scheduler = Scheduler(SchedulerPolicy(max_concurrency=self.options.max_concurrency),
+                                   metrics=self.metrics)
+        self.turns: dict[str, Turns] = {}
+        self._image_locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+        self._event_waiters: set[asyncio.Event] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.started_at = time.time()
+
+    def _open_fs(self) -> Any:
+        # A daemon killed with SIGKILL a moment ago may still hold the
+        # snapshot store's lock while the kernel tears it down: wait a little.
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                return deltafs.open(str(self.state_dir / "fs"), driver=self.options.snapshot_driver)
+            except deltafs.FailedPrecondition as e:
+                if "in use" not in str(e) or time.monotonic() > deadline:
+                    raise FailedPrecondition(str(e), fix="stop the other crabd using this --state-dir") from e
+                time.sleep(0.2)
+
+    def _open_inspector(self) -> Any:
+        import ebpf
+        if not self.options.use_bpf:
+            return ebpf.ProcInspector(None)
+        return ebpf.open_inspector(None)
+
+    # --- lifecycle of the daemon ---------------------------------------------------
+    async def start(self) -> None:
+        """Reload the store, settle what a crash left half-done, re-adopt sandboxes."""
+        self._loop = asyncio.get_running_loop()
+        await asyncio.to_thread(self._recover_pending)
+        for row in self.store.list_sandboxes():
+            self.turns[row.id] = Turns()
+            try:
+                sb = await asyncio.to_thread(self.runtime.get, row.id)
+            except NotFound:
+                self._event("sandbox.lost", row.id, reason="its runtime state is gone")
+                self.store.update_sandbox(row.id, state="dead")
+                continue
+            if sb.status == "running":
+                await asyncio.to_thread(self._watch, row.id)
+                self.store.update_sandbox(row.id, state="running")
+                self._event("sandbox.adopted", row.id)
+            else:
+                self.store.update_sandbox(row.id, state="dead")
+                self._event("sandbox.died", row.id, reason=f"found {sb.status} at daemon start")
+                if self.options.auto_rollback:
+                    await self._auto_recover(row.id)
+        self.metrics.sandboxes.set(len(self.turns))
+
+    async def close(self) -> None:
+        for t in self.turns.values():
+            if t.capture is not None and not t.capture.done():
+                try:
+                    await asyncio.wait_for(asyncio.shield(t.capture), 30)
+                except Exception:
+                    pass
+        try:
+            self.inspector.close()
+        except Exception:
+            pass
+        self.fs.close()
+        self.store.close()
+
+    def _recover_pending(self) -> None:
+        """Pending checkpoints were not durable when the daemon died: discard
+        them (their snapshot, if any, goes too). Committed ones are intact."""
+        for ck in self.store.pending_checkpoints():
+            self.store.fail_checkpoint(ck.id, "discarded: crabd stopped before this checkpoint was durable")
+            if ck.fs_snapshot and self.store.fs_snapshot_refs(ck.fs_snapshot) == 0:
+                self._remove_snapshot(ck.fs_snapshot)
+            self._event("checkpoint.discarded", ck.sandbox_id, checkpoint=ck.id)
+        self.fs.gc()
+
+    # --- events -------------------------------------------------------------------------
+    def _event(self, kind: str, sandbox_id: str | None = None, **data: Any) -> None:
+        self.store.add_event(kind, sandbox_id, **data)
+        if self._loop is not None:
+            def wake() -> None:
+                for ev in list(self._event_waiters):
+                    ev.set()
+            try:
+                self._loop.call_soon_threadsafe(wake)
+            except RuntimeError:
+                pass
+
+    async def wait_event(self, timeout: float) -> None:
+        ev = asyncio.Event()
+        self._event_waiters.add(ev)
+        try:
+            await asyncio.wait_for(ev.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            self._event_waiters.discard(ev)
+
+    # --- images as snapshots -----------------------------------------------------------
+    def _image_snapshot(self, image: str) -> str:
+        """The committed deltafs snapshot holding image `image` (made once)."""
+        name = f"img-{image}"
+        with self._guard:
+            lock = self._image_locks.setdefault(image, threading.Lock())
+        with lock:
+            try:
+                self.fs.stat(name)
+                return name
+            except deltafs.NotFound:
+                pass
+            img = self.runtime.images.get(image)
+            key = f"import-{image}-{secrets.token_hex(4)}"
+            mounts = self.fs.prepare(key)
+            tmp = tempfile.mkdtemp(prefix="crabd-import-", dir=self.state_dir)
+            try:
+                mount_all(mounts, tmp)
+                try:
+                    r = subprocess.run(["cp", "-a", "--reflink=auto", f"{img.path}/.", tmp],
+                                       capture_output=True, text=True, timeout=3600)
+                    if r.returncode != 0:
+                        raise FailedPrecondition(f"copying image {image} into a snapshot failed: {r.stderr.strip()[-300:]}",
+                                                 fix="check free space in the state directory")
+                finally:
+                    unmount(tmp)
+                self.fs.commit(name, key)
+            except BaseException:
+                try:
+                    self.fs.remove(key)
+                except Exception:
+                    pass
+                raise
+            finally:
+                os.rmdir(tmp)
+            return name
+
+    # --- sandboxes -----------------------------------------------------------------------
+    def create_sandbox(self, image: str, *, name: str | None = None, limits: Limits | None = None,
+                       owner: str = "") -> SandboxRow:
+        base = self._image_snapshot(image)
+        return self._new_sandbox(image=image, name=name, limits=limits or Limits(), owner=owner,
+                                 parent_snapshot=base, base_checkpoint=None, lineage=None)
+
+    def _new_sandbox(self, *, image: str, name: str | None, limits: Limits, owner: str, parent_snapshot: str,
+                     base_checkpoint: CheckpointRow | None, lineage: str | None) -> SandboxRow:
+        key = f"root-{secrets.token_hex(6)}"
+        mounts = self.fs.prepare(key, parent=parent_snapshot)
+        try:
+            sb = self.runtime.create(image, name=name, limits=limits, root=mounts)
+        except BaseException:
+            self.fs.remove(key)
+            raise
+        try:
+            row = SandboxRow(id=sb.id, name=sb.name, image=image, fs_key=key, lineage=lineage or sb.id,
+                             owner=owner, head=f"{sb.id}-0", next_seq=1, limits=limits.to_dict(),
+                             forked_from=base_checkpoint.id if base_checkpoint else None)
+            with self.store.transaction():
+                self.store.add_sandbox(row)
+                self.store.add_checkpoint(CheckpointRow(
+                    id=f"{sb.id}-0", sandbox_id=sb.id, seq=0, parent=base_checkpoint.id if base_checkpoint else None,
+                    branch=0, turn=0, plan="FS",
+                    reasons=["the sandbox's initial state" + (f" (fork of {base_checkpoint.id})" if base_checkpoint else
+                                                              f" (image {image})")],
+                    fs_snapshot=parent_snapshot, proc_image=None, state="committed"))
+            self._watch(sb.id)
+        except BaseException:
+            self.runtime.destroy(sb.id)
+            self.fs.remove(key)
+            self.store.delete_sandbox(sb.id)
+            raise
+        self.turns.setdefault(sb.id, Turns())
+        self.metrics.sandboxes.set(len(self.turns))
+        self._event("sandbox.created", sb.id, image=image, name=row.name, forked_from=row.forked_from)
+        return row
+
+    def _watch(self, sid: str) -> None:
+        sb = self.runtime.get(sid)
+        try:
+            self.inspector.unwatch(sid)
+        except Exception:
+            pass
+        self.inspector.watch(sid, self.runtime.cgroup_v2_dir(sid), init_pid=sb.pid, outside_paths=_CRABD_PATHS)
+        t = self.turns.setdefault(sid, Turns())
+        t.init_pid = sb.pid
+
+    def sandbox_info(self, ref: str, owner: str | None = None) -> dict[str, Any]:
+        row = self._own(self.store.get_sandbox(ref), owner)
+        out = row.to_dict()
+        try:
+            sb = self.runtime.get(row.id)
+            out["status"] = sb.status
+            out["pid"] = sb.pid
+        except NotFound:
+            out["status"] = "absent"
+        return out
+
+    def destroy_sandbox(self, ref: str, owner: str | None = None) -> None:
+        row = self._own(self.store.get_sandbox(ref), owner)
+        self.scheduler.cancel(row.id)
+        try:
+            self.inspector.unwatch(row.id)
+        except Exception:
+            pass
+        try:
+            self.runtime.destroy(row.id)
+        except NotFound:
+            pass
+        snaps = [c.fs_snapshot for c in reversed(self.store.list_checkpoints(row.id, states=("committed", "pending",
+                                                                                            "failed")))]
+        self.store.delete_sandbox(row.id)
+        self._remove_snapshot(row.fs_key)
+        for s in dict.fromkeys(snaps):
+            if s and not s.startswith("img-") and self.store.fs_snapshot_refs(s) == 0:
+                self._remove_snapshot(s)
+        self.turns.pop(row.id, None)
+        self.metrics.sandboxes.set(len(self.turns))
+        self._event("sandbox.destroyed", row.id)
+
+    def _remove_snapshot(self, name: str) -> None:
+        try:
+            self.fs.remove(name)
+        except deltafs.NotFound:
+            pass
+        except deltafs.FailedPrecondition as e:
+            # Still a parent of a fork's snapshot: it goes when they do.
+            log.info("keeping snapshot %s: %s", name, e)
+
+    @staticmethod
+    def _own(row: SandboxRow, owner: str | None) -> SandboxRow:
+        if owner is not None and row.owner != owner:
+            raise NotFound(f"no sandbox {row.id!r}")
+        return row
+
+    # --- turns -----------------------------------------------------------------------------
+    async def exec(self, ref: str, cmd: Sequence[str] | str, *, timeout: float | None = 600.0,
+                   env: dict[str, str] | None = None, cwd: str | None = None, stdin: str | None = None,
+                   owner: str | None = None) -> dict[str, Any]:
+        row = self._own(await asyncio.to_thread(self.store.get_sandbox, ref), owner)
+        t = self.turns.setdefault(row.id, Turns())
+        async with t.lock:
+            t0 = time.monotonic()
+            stall = await self._wait_capture(t)
+            if t.last_end is not None:
+                self.scheduler.policy.observe_gap(row.id, t0 - t.last_end)
+            row = await asyncio.to_thread(self.store.get_sandbox, row.id)
+            turn = row.turn + 1
+            self.inspector.begin_turn(row.id)
+            error: CrabdError | None = None
+            res: Any = None
+            try:
+                res = await asyncio.to_thread(self.runtime.exec, row.id, cmd, env=env, cwd=cwd, stdin=stdin,
+                                              timeout=timeout)
+            except CrabdError as e:
+                error = e
+            # The turn ends whatever happened: a timed-out command may have
+            # changed files before it was killed.
+            effects = self.inspector.end_turn(row.id)
+            t.last_end = time.monotonic()
+            ck = await asyncio.to_thread(self._open_checkpoint, row, turn, effects)
+            t.capture = asyncio.ensure_future(self._run_capture(row.id, ck))
+            self.metrics.stall.observe(stall)
+            self.metrics.turns.labels(plan=ck.plan).inc()
+            if error is not None:
+                raise error
+            self.metrics.exec_seconds.observe(res.duration)
+            return {**res.to_dict(), "turn": turn, "checkpoint": ck.id, "plan": ck.plan,
+                    "reasons": ck.reasons, "stall_ms": round(stall * 1000, 3),
+                    "external": bool(effects.external)}
+
+    async def end_turn(self, ref: str, owner: str | None = None) -> dict[str, Any]:
+        """An explicit turn boundary for agents that run commands some other way."""
+        row = self._own(await asyncio.to_thread(self.store.get_sandbox, ref), owner)
+        t = self.turns.setdefault(row.id, Turns())
+        async with t.lock:
+            stall = await self._wait_capture(t)
+            row = await asyncio.to_thread(self.store.get_sandbox, row.id)
+            effects = self.inspector.end_turn(row.id)
+            t.last_end = time.monotonic()
+            ck = await asyncio.to_thread(self._open_checkpoint, row, row.turn + 1, effects)
+            t.capture = asyncio.ensure_future(self._run_capture(row.id, ck))
+            self.inspector.begin_turn(row.id)
+            return {"turn": row.turn + 1, "checkpoint": ck.id, "plan": ck.plan, "reasons": ck.reasons,
+                    "stall_ms": round(stall * 1000, 3)}
+
+    async def checkpoint_now(self, ref: str, owner: str | None = None, wait: bool = True) -> dict[str, Any]:
+        """A manual checkpoint: the file system is captured whatever the inspector saw."""
+        row = self._own(await asyncio.to_thread(self.store.get_sandbox, ref), owner)
+        t = self.turns.setdefault(row.id, Turns())
+        async with t.lock:
+            await self._wait_capture(t)
+            row = await asyncio.to_thread(self.store.get_sandbox, row.id)
+            effects = self.inspector.end_turn(row.id)
+            self.inspector.begin_turn(row.id)
+            ck = await asyncio.to_thread(self._open_checkpoint, row, row.turn, effects, manual=True)
+            t.capture = asyncio.ensure_future(self._run_capture(row.id, ck))
+            if wait:
+                await self._wait_capture(t)
+        return self.checkpoint_info(ck.id)
+
+    async def _wait_capture(self, t: Turns) -> float:
+        if t.capture is None or t.capture.done():
+            return 0.0
+        t0 = time.monotonic()
+        try:
+            await asyncio.shield(t.capture)
+        except Exception:
+            pass  # a failed capture is recorded on its checkpoint; the turn goes on
+        return time.monotonic() - t0
+
+    def _open_checkpoint(self, row: SandboxRow, turn: int, effects: Any, manual: bool = False) -> CheckpointRow:
+        import ebpf
+        plan = ebpf.classify(effects)
+        kind = plan.kind.value
+        reasons = list(plan.reasons)
+        if manual and kind == "SKIP":
+            kind, reasons = "FS", ["manual checkpoint"] + reasons
+        seq = self.store.allocate_seq(row.id)
+        ck = CheckpointRow(id=f"{row.id}-{seq}", sandbox_id=row.id, seq=seq, parent=row.head, branch=row.branch,
+                           turn=turn, plan=kind, reasons=reasons, effects=effects.model_dump(mode="json"))
+        with self.store.transaction():
+            self.store.add_checkpoint(ck)
+            self.store.update_sandbox(row.id, head=ck.id, turn=turn)
+        return ck
+
+    async def _run_capture(self, sid: str, ck: CheckpointRow) -> None:
+        from .scheduler import JobCancelled
+        # Size estimate for the I/O budget: a SKIP writes nothing.
+        est = 0 if ck.plan == "SKIP" else 1 << 20
+        job = self.scheduler.policy.checkpoint_job(sid, est, time.monotonic())
+        queued = time.monotonic()
+
+        async def run() -> None:
+            self.metrics.checkpoint_duration.labels(phase="queue").observe(time.monotonic() - queued)
+            await asyncio.to_thread(self._capture, ck)
+
+        try:
+            await self.scheduler.submit(job, run)
+        except (asyncio.CancelledError, JobCancelled):
+            await asyncio.to_thread(self.store.fail_checkpoint, ck.id, "cancelled by a rollback")
+        except Exception as e:  # recorded; never take the daemon down
+            log.exception("checkpoint %s failed", ck.id)
+            await asyncio.to_thread(self.store.fail_checkpoint, ck.id, str(e))
+            self._event("checkpoint.failed", sid, checkpoint=ck.id, error=str(e))
+
+    def _capture(self, ck: CheckpointRow) -> None:
+        """Capture one checkpoint (worker thread): the scheduler admitted it."""
+        t_start = time.monotonic()
+        parent = self.store.get_checkpoint(ck.parent) if ck.parent else None
+        if ck.plan == "SKIP" and parent is not None:
+            self.store.commit_checkpoint(ck.id, fs_snapshot=parent.fs_snapshot, proc_image=parent.proc_image,
+                                         bytes=0, durations={"total": time.monotonic() - t_start})
+            self._event("checkpoint.committed", ck.sandbox_id, checkpoint=ck.id, plan=ck.plan, bytes=0)
+            return
+        row = self.store.get_sandbox(ck.sandbox_id)
+        d: dict[str, float] = {}
+        t = time.monotonic()
+        self.fs.prepare_checkpoint(row.fs_key)  # writeback while the sandbox still runs
+        d["writeback"] = time.monotonic() - t
+        name = f"{ck.id}"
+        t_freeze = time.monotonic()
+        frozen = False
+        # The freezer file directly: no runc process on the pause's path.
+        freezer = Freezer(self.runtime.layout, f"/crabd/{ck.sandbox_id}")
+        try:
+            try:
+                freezer.freeze()
+                frozen = True
+            except CrabdError:
+                frozen = False  # a stopped sandbox has nothing running to freeze
+            d["freeze"] = time.monotonic() - t_freeze
+            t = time.monotonic()
+            self.fs.checkpoint(row.fs_key, name=name)
+            d["fs_commit"] = time.monotonic() - t
+        finally:
+            if frozen:
+                t = time.monotonic()
+                freezer.thaw()
+                d["thaw"] = time.monotonic() - t
+        d["pause"] = time.monotonic() - t_freeze
+        t = time.monotonic()
+        self.fs.sync()
+        d["sync"] = time.monotonic() - t
+        size = self.fs.usage(name).size
+        d["total"] = time.monotonic() - t_start
+        self.store.commit_checkpoint(ck.id, fs_snapshot=name, proc_image=None, bytes=size, durations=d)
+        self.metrics.observe_checkpoint({k: v for k, v in d.items() if k in PHASES}, size)
+        self._event("checkpoint.committed", ck.sandbox_id, checkpoint=ck.id, plan=ck.plan, bytes=size,
+                    pause_ms=round(d["pause"] * 1000, 3))
+
+    # --- checkpoints -----------------------------------------------------------------------
+    def list_checkpoints(self, ref: str, owner: str | None = None, all_states: bool = False) -> list[dict[str, Any]]:
+        row = self._own(self.store.get_sandbox(ref), owner)
+        states = ("committed", "pending", "failed") if all_states else ("committed", "pending")
+        return [self._ck_summary(c, row) for c in self.store.list_checkpoints(row.id, states=states)]
+
+    def _ck_summary(self, c: CheckpointRow, row: SandboxRow | None = None) -> dict[str, Any]:
+        out = {k: v for k, v in c.to_dict().items() if k not in ("effects",)}
+        if row is not None:
+            out["head"] = c.id == row.head
+        return out
+
+    def checkpoint_info(self, cid: str, owner: str | None = None) -> dict[str, Any]:
+        c = self.store.get_checkpoint(cid)
+        self._own(self.store.get_sandbox(c.sandbox_id), owner)
+        return c.to_dict()
+
+    def resolve_checkpoint(self, sid: str, ref: str | int) -> CheckpointRow:
+        """A checkpoint of sandbox `sid` by id or sequence number; 409 when it
+        belongs to another sandbox."""
+        if isinstance(ref, int) or (isinstance(ref, str) and ref.isdigit()):
+            return self.store.get_checkpoint(f"{sid}-{int(ref)}")
+        c = self.store.get_checkpoint(str(ref))
+        if c.sandbox_id != sid:
+            raise FailedPrecondition(f"checkpoint {c.id} belongs to sandbox {c.sandbox_id}, not {sid}",
+                                     fix=f"fork it instead: POST /v1/checkpoints/{c.id}/fork")
+        return c
+
+    def delete_checkpoint(self, cid: str, owner: str | None = None) -> None:
+        c = self.store.get_checkpoint(cid)
+        row = self._own(self.store.get_sandbox(c.sandbox_id), owner)
+        if c.id == row.head:
+            raise FailedPrecondition(f"checkpoint {cid} is the sandbox's current head")
+        if c.seq == 0:
+            raise FailedPrecondition(f"checkpoint {cid} is the sandbox's initial state")
+        kids = self.store.children(cid)
+        if kids:
+            raise FailedPrecondition(f"checkpoint {cid} is the parent of {', '.join(kids[:5])}",
+                                     fix="delete those first, or keep it")
+        self.store.delete_checkpoint(cid)
+        if c.fs_snapshot and not c.fs_snapshot.startswith("img-") and self.store.fs_snapshot_refs(c.fs_snapshot) == 0:
+            self._remove_snapshot(c.fs_snapshot)
+        self._event("checkpoint.deleted", c.sandbox_id, checkpoint=cid)
+
+    def diff(self, a: str, b: str, owner: str | None = None) -> dict[str, Any]:
+        ca, cb = self.store.get_checkpoint(a), self.store.get_checkpoint(b)
+        for c in (ca, cb):
+            self._own(self.store.get_sandbox(c.sandbox_id), owner)
+            if c.state != "committed":
+                raise FailedPrecondition(f"checkpoint {c.id} is {c.state}")
+        changes = self.fs.diff(ca.fs_snapshot, cb.fs_snapshot) if ca.fs_snapshot != cb.fs_snapshot else []
+        return {"from": a, "to": b, "changes": [_change_dict(ch) for ch in changes]}
+
+    # --- rollback and fork -------------------------------------------------------------------
+    async def rollback(self, ref: str, checkpoint: str | int | None, owner: str | None = None,
+                       reason: str = "requested") -> dict[str, Any]:
+        row = self._own(await asyncio.to_thread(self.store.get_sandbox, ref), owner)
+        t = self.turns.setdefault(row.id, Turns())
+        t0 = time.monotonic()
+        async with t.lock:
+            self.scheduler.cancel(row.id)
+            await self._wait_capture(t)
+            try:
+                out = await asyncio.to_thread(self._rollback_sync, row.id, checkpoint, reason)
+            except Exception:
+                self.metrics.rollbacks.labels(result="failed").inc()
+                raise
+            t.last_end = None
+            sb = await asyncio.to_thread(self.runtime.get, row.id)
+            t.init_pid = sb.pid
+        self.metrics.rollbacks.labels(result="ok").inc()
+        out["duration_ms"] = round((time.monotonic() - t0) * 1000, 3)
+        return out
+
+    def _latest_committed(self, row: SandboxRow) -> CheckpointRow:
+        """The newest committed checkpoint on the sandbox's current line."""
+        cid: str | None = row.head
+        while cid:
+            c = self.store.get_checkpoint(cid)
+            if c.state == "committed":
+                return c
+            cid = c.parent
+        raise NotFound(f"sandbox {row.id} has no committed checkpoint")
+
+    def _rollback_sync(self, sid: str, ref: str | int | None, reason: str) -> dict[str, Any]:
+        row = self.store.get_sandbox(sid)
+        ck = self._latest_committed(row) if ref is None else self.resolve_checkpoint(sid, ref)
+        self.store.verify(ck)
+        timing: dict[str, float] = {}
+        t = time.monotonic()
+        try:
+            self.inspector.unwatch(sid)
+        except Exception:
+            pass
+        self.runtime.stop(sid)
+        timing["stop"] = time.monotonic() - t
+        t = time.monotonic()
+        self.runtime.unmount_root(sid)
+        new_key = f"root-{secrets.token_hex(6)}"
+        mounts = self.fs.prepare(new_key, parent=ck.fs_snapshot)
+        self.runtime.set_root(sid, mounts)
+        self._remove_snapshot(row.fs_key)
+        timing["fs"] = time.monotonic() - t
+        t = time.monotonic()
+        self.runtime.start(sid)  # no process image: a fresh init
+        timing["start"] = time.monotonic() - t
+        not_undone = self._effects_after(row.head, ck.id)
+        with self.store.transaction():
+            self.store.update_sandbox(sid, fs_key=new_key, head=ck.id, branch=row.branch + 1, state="running")
+        self._watch(sid)
+        self._event("sandbox.rolled_back", sid, checkpoint=ck.id, reason=reason, branch=row.branch + 1,
+                    effects_not_undone=not_undone)
+        return {"sandbox": sid, "checkpoint": ck.id, "seq": ck.seq, "turn": ck.turn, "branch": row.branch + 1,
+                "restored": "fs" if not ck.proc_image else "fs+proc", "effects_not_undone": not_undone,
+                "timing_ms": {k: round(v * 1000, 3) for k, v in timing.items()}}
+
+    def _effects_after(self, head: str | None, target: str) -> list[dict[str, Any]]:
+        """External effects recorded on the abandoned line, after `target`."""
+        out = []
+        cid = head
+        while cid and cid != target:
+            try:
+                c = self.store.get_checkpoint(cid)
+            except NotFound:
+                break
+            eff = c.effects or {}
+            if eff.get("external") or eff.get("external_unknown"):
+                out.append({"checkpoint": c.id, "turn": c.turn, "reasons": eff.get("external_reasons", []),
+                            "unknown": bool(eff.get("external_unknown"))})
+            cid = c.parent
+        return list(reversed(out))
+
+    async def fork(self, cid: str, count: int = 1, owner: str | None = None) -> dict[str, Any]:
+        if not 1 <= count <= 64:
+            raise InvalidArgument("count must be between 1 and 64")
+        ck = await asyncio.to_thread(self.store.get_checkpoint, cid)
+        src = self._own(await asyncio.to_thread(self.store.get_sandbox, ck.sandbox_id), owner)
+        self.store.verify(ck)
+        t0 = time.monotonic()
+        made = []
+        for _ in range(count):
+            row = await asyncio.to_thread(self._new_sandbox, image=src.image, name=None,
+                                          limits=Limits.from_dict(src.limits), owner=src.owner,
+                                          parent_snapshot=ck.fs_snapshot, base_checkpoint=ck, lineage=src.lineage)
+            made.append(row.id)
+        return {"checkpoint": ck.id, "sandboxes": made, "duration_ms": round((time.monotonic() - t0) * 1000, 3)}
+
+    # --- death watch ---------------------------------------------------------------------------
+    async def watch_deaths(self, interval: float = 0.5) -> None:
+        """Notice sandboxes whose init died (OOM kill, crash) and, per policy,
+        roll them back to their last committed checkpoint."""
+        while True:
+            await asyncio.sleep(interval)
+            for sid, t in list(self.turns.items()):
+                if t.recovering or t.init_pid is None or t.lock.locked():
+                    continue
+                if _alive(t.init_pid):
+                    continue
+                try:
+                    sb = await asyncio.to_thread(self.runtime.get, sid)
+                except NotFound:
+                    continue
+                if sb.status == "running":
+                    t.init_pid = sb.pid
+                    continue
+                self.store.update_sandbox(sid, state="dead")
+                self._event("sandbox.died", sid, reason=f"init exited ({sb.status})")
+                if self.options.auto_rollback:
+                    await self._auto_recover(sid)
+
+    async def _auto_recover(self, sid: str) -> None:
+        t = self.turns.setdefault(sid, Turns())
+        t.recovering = True
+        try:
+            await self.rollback(sid, None, reason="automatic recovery after the sandbox died")
+        except Exception as e:
+            log.exception("automatic rollback of %s failed", sid)
+            self._event("sandbox.recovery_failed", sid, error=str(e))
+        finally:
+            t.recovering = False
+
+    # --- health ----------------------------------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        return {"ok": True, "sandboxes": len(self.turns), "uptime_s": round(time.time() - self.started_at, 1),
+                "fs_driver": self.fs.driver, "inspector": getattr(self.inspector, "source", "proc"),
+                "schema_version": SCHEMA_VERSION}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _change_dict(ch: Any) -> dict[str, Any]:
+    d = dict(ch.__dict__) if hasattr(ch, "__dict__") else dict(ch._asdict())
+    for k, v in list(d.items()):
+        if isinstance(v, bytes):
+            d[k] = v.decode("utf-8", "backslashreplace")
+    return d
+

@@ -1,0 +1,396 @@
+"""crabd's metadata store: SQLite in WAL mode under the state directory.
+
+What it holds: sandboxes, checkpoints (per-sandbox monotonic sequence,
+parent, branch, turn, Effects, Plan, file-system snapshot, process image,
+bytes, durations, digest, schema version, state), and events. Blobs (layers,
+CRIU images) live on disk; the store holds their names.
+
+Checkpoint rows are written `pending` when a turn's capture is scheduled and
+become `committed` only after the blobs are durable, inside one transaction;
+after a crash, `pending` rows are what restart recovery finishes or discards.
+Nothing is ever listed as committed that was not.
+
+Each committed checkpoint carries a digest: blake3, keyed with a host secret
+(`<state>/secret`, mode 0600, created at first start), over the row's
+identifying fields, so a tampered row is detected before it is used.
+
+Schema changes are numbered migrations applied in order at open, recorded in
+`PRAGMA user_version`; a database newer than this code is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import blake3
+
+from .errors import CrabdError, FailedPrecondition, NotFound
+
+__all__ = ["Store", "SandboxRow", "CheckpointRow", "Event", "SCHEMA_VERSION", "IntegrityError"]
+
+MIGRATIONS: list[str] = [
+    # 1: initial schema
+    """
+    CREATE TABLE sandboxes (
+        id          TEXT PRIMARY KEY,
+        name        TEXT NOT NULL UNIQUE,
+        image       TEXT NOT NULL,
+        owner       TEXT NOT NULL DEFAULT '',
+        created_at  REAL NOT NULL,
+        state       TEXT NOT NULL,            -- running | stopped | dead | recovering
+        fs_key      TEXT NOT NULL,            -- deltafs active snapshot of its root
+        head        TEXT,                     -- checkpoint the current state descends from
+        branch      INTEGER NOT NULL DEFAULT 0,
+        turn        INTEGER NOT NULL DEFAULT 0,
+        next_seq    INTEGER NOT NULL DEFAULT 1,
+        limits      TEXT NOT NULL DEFAULT '{}',
+        lineage     TEXT NOT NULL,            -- root sandbox of its fork tree
+        forked_from TEXT
+    );
+    CREATE TABLE checkpoints (
+        id             TEXT PRIMARY KEY,      -- "<sandbox>-<seq>"
+        sandbox_id     TEXT NOT NULL REFERENCES sandboxes(id) ON DELETE CASCADE,
+        seq            INTEGER NOT NULL,
+        parent         TEXT,
+        branch         INTEGER NOT NULL,
+        turn           INTEGER NOT NULL,
+        plan           TEXT NOT NULL,         -- SKIP | FS | FS_PROC
+        reasons        TEXT NOT NULL DEFAULT '[]',
+        effects        TEXT NOT NULL DEFAULT '{}',
+        fs_snapshot    TEXT,                  -- deltafs committed name (shared with parent on SKIP)
+        proc_image     TEXT,                  -- deltacr image id, or NULL
+        bytes          INTEGER NOT NULL DEFAULT 0,
+        durations      TEXT NOT NULL DEFAULT '{}',
+        digest         TEXT,
+        schema_version INTEGER NOT NULL,
+        created_at     REAL NOT NULL,
+        state          TEXT NOT NULL,         -- pending | committed | failed
+        error          TEXT,
+        UNIQUE (sandbox_id, seq)
+    );
+    CREATE INDEX checkpoints_by_sandbox ON checkpoints (sandbox_id, seq);
+    CREATE TABLE events (
+        seq         INTEGER PRIMARY KEY AUTOINCREMENT,
+        ts          REAL NOT NULL,
+        sandbox_id  TEXT,
+        kind        TEXT NOT NULL,
+        data        TEXT NOT NULL DEFAULT '{}'
+    );
+    """,
+]
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+class IntegrityError(CrabdError):
+    """Stored metadata does not match its digest: it was changed behind crabd's back."""
+
+    code = "integrity_error"
+    http_status = 500
+
+
+@dataclass
+class SandboxRow:
+    id: str
+    name: str
+    image: str
+    fs_key: str
+    lineage: str
+    owner: str = ""
+    created_at: float = field(default_factory=time.time)
+    state: str = "running"
+    head: str | None = None
+    branch: int = 0
+    turn: int = 0
+    next_seq: int = 1
+    limits: dict[str, Any] = field(default_factory=dict)
+    forked_from: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class CheckpointRow:
+    id: str
+    sandbox_id: str
+    seq: int
+    parent: str | None
+    branch: int
+    turn: int
+    plan: str
+    reasons: list[str] = field(default_factory=list)
+    effects: dict[str, Any] = field(default_factory=dict)
+    fs_snapshot: str | None = None
+    proc_image: str | None = None
+    bytes: int = 0
+    durations: dict[str, float] = field(default_factory=dict)
+    digest: str | None = None
+    schema_version: int = SCHEMA_VERSION
+    created_at: float = field(default_factory=time.time)
+    state: str = "pending"
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Event:
+    seq: int
+    ts: float
+    sandbox_id: str | None
+    kind: str
+    data: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+_SB_JSON = {"limits"}
+_CK_JSON = {"reasons", "effects", "durations"}
+
+
+class Store:
+    """Thread-safe access to crabd.db (one connection, serialised)."""
+
+    def __init__(self, state_dir: Path | str) -> None:
+        self.state_dir = Path(state_dir)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.state_dir / "crabd.db"
+        self._key = _host_secret(self.state_dir / "secret")
+        self._lock = threading.RLock()
+        try:
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
+            self._db.row_factory = sqlite3.Row
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._migrate()
+        except sqlite3.DatabaseError as e:
+            raise FailedPrecondition(f"cannot open crabd's database {self.path}: {e}",
+                                     fix=f"restore {self.path} from a backup or move it away") from e
+
+    # --- schema -----------------------------------------------------------------
+    def _migrate(self) -> None:
+        with self._lock:
+            have = self._db.execute("PRAGMA user_version").fetchone()[0]
+            if have > SCHEMA_VERSION:
+                raise FailedPrecondition(
+                    f"{self.path} has schema version {have}, newer than this crabd ({SCHEMA_VERSION})",
+                    fix="run the crabd version that wrote it, or a newer one")
+            for v in range(have, SCHEMA_VERSION):
+                # One script per migration, its own transaction: executescript
+                # would commit any transaction opened around it.
+                self._db.executescript(f"BEGIN IMMEDIATE;\n{MIGRATIONS[v]}\nPRAGMA user_version={v + 1};\nCOMMIT;")
+
+    def _tx(self) -> Any:
+        store = self
+
+        class _Tx:
+            def __enter__(self_inner) -> None:
+                store._lock.acquire()
+                store._db.execute("BEGIN IMMEDIATE")
+
+            def __exit__(self_inner, et: Any, ev: Any, tb: Any) -> None:
+                try:
+                    store._db.execute("COMMIT" if et is None else "ROLLBACK")
+                finally:
+                    store._lock.release()
+
+        return _Tx()
+
+    def transaction(self) -> Any:
+        """A write transaction for several calls that must land together."""
+        return self._tx()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # --- sandboxes ---------------------------------------------------------------
+    def add_sandbox(self, row: SandboxRow) -> None:
+        d = _encode(row.to_dict(), _SB_JSON)
+        cols = ",".join(d)
+        with self._lock:
+            try:
+                self._db.execute(f"INSERT INTO sandboxes ({cols}) VALUES ({','.join('?' * len(d))})", list(d.values()))
+            except sqlite3.IntegrityError as e:
+                from .errors import AlreadyExists
+                raise AlreadyExists(f"a sandbox named {row.name!r} already exists") from e
+
+    def get_sandbox(self, ref: str) -> SandboxRow:
+        with self._lock:
+            r = self._db.execute("SELECT * FROM sandboxes WHERE id=? OR name=?", (ref, ref)).fetchone()
+        if r is None:
+            raise NotFound(f"no sandbox {ref!r}", fix="GET /v1/sandboxes (crabd sandbox ls) lists them")
+        return SandboxRow(**_decode(dict(r), _SB_JSON))
+
+    def list_sandboxes(self, owner: str | None = None) -> list[SandboxRow]:
+        q, args = "SELECT * FROM sandboxes", []
+        if owner is not None:
+            q, args = q + " WHERE owner=?", [owner]
+        with self._lock:
+            rows = self._db.execute(q + " ORDER BY created_at", args).fetchall()
+        return [SandboxRow(**_decode(dict(r), _SB_JSON)) for r in rows]
+
+    def update_sandbox(self, sid: str, **fields: Any) -> None:
+        d = _encode(fields, _SB_JSON)
+        sets = ",".join(f"{k}=?" for k in d)
+        with self._lock:
+            n = self._db.execute(f"UPDATE sandboxes SET {sets} WHERE id=?", [*d.values(), sid]).rowcount
+        if n == 0:
+            raise NotFound(f"no sandbox {sid!r}")
+
+    def delete_sandbox(self, sid: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM sandboxes WHERE id=?", (sid,))
+
+    def allocate_seq(self, sid: str) -> int:
+        """The sandbox's next checkpoint sequence number (monotonic, never reused)."""
+        with self._tx():
+            r = self._db.execute("SELECT next_seq FROM sandboxes WHERE id=?", (sid,)).fetchone()
+            if r is None:
+                raise NotFound(f"no sandbox {sid!r}")
+            self._db.execute("UPDATE sandboxes SET next_seq=? WHERE id=?", (r[0] + 1, sid))
+            return int(r[0])
+
+    # --- checkpoints -----------------------------------------------------------------
+    def add_checkpoint(self, row: CheckpointRow) -> None:
+        if row.state == "committed":
+            row.digest = self.digest(row)
+        d = _encode(row.to_dict(), _CK_JSON)
+        with self._lock:
+            self._db.execute(f"INSERT INTO checkpoints ({','.join(d)}) VALUES ({','.join('?' * len(d))})",
+                             list(d.values()))
+
+    def commit_checkpoint(self, cid: str, **fields: Any) -> CheckpointRow:
+        """Mark a pending checkpoint committed (with its final fields and digest)."""
+        with self._tx():
+            row = self._get_checkpoint_unlocked(cid)
+            for k, v in fields.items():
+                setattr(row, k, v)
+            row.state = "committed"
+            row.error = None
+            row.digest = self.digest(row)
+            d = _encode({k: getattr(row, k) for k in (*fields, "state", "error", "digest")}, _CK_JSON)
+            self._db.execute(f"UPDATE checkpoints SET {','.join(f'{k}=?' for k in d)} WHERE id=?",
+                             [*d.values(), cid])
+        return row
+
+    def fail_checkpoint(self, cid: str, error: str) -> None:
+        with self._lock:
+            self._db.execute("UPDATE checkpoints SET state='failed', error=? WHERE id=?", (error, cid))
+
+    def get_checkpoint(self, cid: str, *, verify: bool = False) -> CheckpointRow:
+        with self._lock:
+            row = self._get_checkpoint_unlocked(cid)
+        if verify:
+            self.verify(row)
+        return row
+
+    def _get_checkpoint_unlocked(self, cid: str) -> CheckpointRow:
+        r = self._db.execute("SELECT * FROM checkpoints WHERE id=?", (cid,)).fetchone()
+        if r is None:
+            raise NotFound(f"no checkpoint {cid!r}", fix="GET /v1/sandboxes/{id}/checkpoints lists them")
+        return CheckpointRow(**_decode(dict(r), _CK_JSON))
+
+    def list_checkpoints(self, sid: str, *, states: tuple[str, ...] = ("committed",)) -> list[CheckpointRow]:
+        marks = ",".join("?" * len(states))
+        with self._lock:
+            rows = self._db.execute(f"SELECT * FROM checkpoints WHERE sandbox_id=? AND state IN ({marks}) ORDER BY seq",
+                                    (sid, *states)).fetchall()
+        return [CheckpointRow(**_decode(dict(r), _CK_JSON)) for r in rows]
+
+    def pending_checkpoints(self) -> list[CheckpointRow]:
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM checkpoints WHERE state='pending' ORDER BY created_at").fetchall()
+        return [CheckpointRow(**_decode(dict(r), _CK_JSON)) for r in rows]
+
+    def delete_checkpoint(self, cid: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM checkpoints WHERE id=?", (cid,))
+
+    def children(self, cid: str) -> list[str]:
+        with self._lock:
+            return [r[0] for r in self._db.execute("SELECT id FROM checkpoints WHERE parent=?", (cid,))]
+
+    def fs_snapshot_refs(self, name: str) -> int:
+        """How many checkpoints (any state but failed) refer to a deltafs snapshot."""
+        with self._lock:
+            return int(self._db.execute("SELECT COUNT(*) FROM checkpoints WHERE fs_snapshot=? AND state!='failed'",
+                                        (name,)).fetchone()[0])
+
+    # --- integrity -----------------------------------------------------------------
+    def digest(self, row: CheckpointRow) -> str:
+        fields = {k: getattr(row, k) for k in ("id", "sandbox_id", "seq", "parent", "branch", "turn", "plan",
+                                               "fs_snapshot", "proc_image", "bytes", "schema_version", "created_at")}
+        fields["effects"] = row.effects
+        canon = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str).encode()
+        return blake3.blake3(canon, key=self._key).hexdigest()
+
+    def verify(self, row: CheckpointRow) -> None:
+        if row.state != "committed":
+            raise FailedPrecondition(f"checkpoint {row.id} is {row.state}, not committed")
+        if not row.digest or not secrets.compare_digest(row.digest, self.digest(row)):
+            raise IntegrityError(f"checkpoint {row.id}'s metadata does not match its digest: refusing to use it",
+                                 fix="it was modified outside crabd; roll back to another checkpoint")
+
+    # --- events ----------------------------------------------------------------------
+    def add_event(self, kind: str, sandbox_id: str | None = None, **data: Any) -> Event:
+        ts = time.time()
+        with self._lock:
+            cur = self._db.execute("INSERT INTO events (ts, sandbox_id, kind, data) VALUES (?,?,?,?)",
+                                   (ts, sandbox_id, kind, json.dumps(data, default=str)))
+            seq = int(cur.lastrowid or 0)
+        return Event(seq, ts, sandbox_id, kind, data)
+
+    def events_since(self, seq: int = 0, sandbox_id: str | None = None, limit: int = 1000) -> list[Event]:
+        q = "SELECT * FROM events WHERE seq>?"
+        args: list[Any] = [seq]
+        if sandbox_id:
+            q += " AND sandbox_id=?"
+            args.append(sandbox_id)
+        with self._lock:
+            rows = self._db.execute(q + " ORDER BY seq LIMIT ?", (*args, limit)).fetchall()
+        return [Event(r["seq"], r["ts"], r["sandbox_id"], r["kind"], json.loads(r["data"])) for r in rows]
+
+    def iter_all_checkpoints(self) -> Iterator[CheckpointRow]:
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM checkpoints ORDER BY sandbox_id, seq").fetchall()
+        for r in rows:
+            yield CheckpointRow(**_decode(dict(r), _CK_JSON))
+
+
+def _encode(d: dict[str, Any], json_cols: set[str]) -> dict[str, Any]:
+    return {k: (json.dumps(v, default=str) if k in json_cols else v) for k, v in d.items()}
+
+
+def _decode(d: dict[str, Any], json_cols: set[str]) -> dict[str, Any]:
+    return {k: (json.loads(v) if k in json_cols and isinstance(v, str) else v) for k, v in d.items()}
+
+
+def _host_secret(path: Path) -> bytes:
+    """32 random bytes, created once with mode 0600, the key of metadata digests."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        data = path.read_bytes()
+        if len(data) != 32:
+            raise FailedPrecondition(f"host secret {path} is damaged ({len(data)} bytes)",
+                                     fix=f"remove {path} (existing checkpoints will then fail verification)")
+        return data
+    key = secrets.token_bytes(32)
+    try:
+        os.write(fd, key)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return key
