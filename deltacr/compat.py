@@ -1,0 +1,85 @@
+"""Host compatibility: CRIU 4.1.x on Linux >= 6.16.
+
+Linux 6.16 made getsockopt(SO_PASSCRED/SO_PASSSEC) fail on non-unix sockets,
+and CRIU before 4.2 fails every dump of a process holding a TCP or UDP
+socket ("Can't get 1:16 opt: Operation not supported"). Where that
+combination is found, `host_criu` builds a tiny LD_PRELOAD shim
+(criu_sockopt_shim.c, next to this file) and a wrapper script that runs
+CRIU with it; runc is pointed at the wrapper with `runc --criu`. With
+CRIU >= 4.2, or an older kernel, CRIU is used as it is.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+from .errors import CriuUnavailable
+from .runc import CommandRunner, SubprocessCommandRunner, check_criu
+
+__all__ = ["host_criu", "needs_sockopt_shim"]
+
+_SHIM_SRC = Path(__file__).with_name("criu_sockopt_shim.c")
+_lock = threading.Lock()
+_cache: dict[tuple[str, str], str] = {}
+
+
+def needs_sockopt_shim(criu_version: tuple[int, ...], kernel_release: str) -> bool:
+    """Pure: does this CRIU need the shim on this kernel?"""
+    m = re.match(r"(\d+)\.(\d+)", kernel_release)
+    kernel = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+    return kernel >= (6, 16) and tuple(criu_version[:2]) < (4, 2)
+
+
+def host_criu(cache_dir: str | os.PathLike[str], criu: str = "criu",
+              runner: CommandRunner | None = None) -> str:
+    """The CRIU command runc should use on this host: `criu` itself, or a
+    wrapper with the socket-option shim (built once into `cache_dir`)."""
+    key = (str(cache_dir), criu)
+    with _lock:
+        if key in _cache:
+            return _cache[key]
+    info = check_criu(runner or SubprocessCommandRunner(), criu)
+    if not needs_sockopt_shim(info.version, platform.release()):
+        result = criu
+    else:
+        result = _build_wrapper(Path(cache_dir), criu)
+    with _lock:
+        _cache[key] = result
+    return result
+
+
+def _build_wrapper(d: Path, criu: str) -> str:
+    real = shutil.which(criu) or criu
+    d.mkdir(parents=True, exist_ok=True)
+    so = d / "criu_sockopt_shim.so"
+    wrapper = d / "criu"
+    src = _SHIM_SRC.read_bytes()
+    stamp = d / "criu_sockopt_shim.src"
+    if not so.exists() or not stamp.exists() or stamp.read_bytes() != src:
+        cc = shutil.which("cc") or shutil.which("gcc")
+        if cc is None:
+            raise CriuUnavailable("CRIU < 4.2 on Linux >= 6.16 needs deltacr's socket-option shim, "
+                                  "and no C compiler is installed to build it",
+                                  missing=["cc (to build the CRIU socket-option shim)", "or CRIU >= 4.2"],
+                                  fix="apt-get install gcc libc6-dev, or install CRIU 4.2 or newer")
+        tmp = so.with_suffix(".so.tmp")
+        p = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(_SHIM_SRC), "-ldl"],
+                           capture_output=True, timeout=120)
+        if p.returncode != 0:
+            raise CriuUnavailable(f"building the CRIU socket-option shim failed: {p.stderr.decode(errors='replace')[-400:]}",
+                                  missing=["a working C compiler"], fix="apt-get install gcc libc6-dev")
+        os.replace(tmp, so)
+        stamp.write_bytes(src)
+    text = f'#!/bin/sh\n# deltacr: CRIU with the SO_PASSCRED shim (see deltacr/compat.py)\nLD_PRELOAD="{so}" exec "{real}" "$@"\n'
+    if not wrapper.exists() or wrapper.read_text() != text:
+        tmpw = wrapper.with_suffix(".tmp")
+        tmpw.write_text(text)
+        tmpw.chmod(0o755)
+        os.replace(tmpw, wrapper)
+    return str(wrapper)

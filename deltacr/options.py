@@ -1,0 +1,172 @@
+"""What a caller wants from a dump or a restore, as a flat record of intent,
+and the pure functions that turn it into runc command lines.
+
+Modelled on runc's CriuOpts: one field per decision, one comment per field,
+modes as validated enums. Runtime facts (which container, where its root
+and images are) are not options: the functions that run runc fill them in.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+from .errors import InvalidArgument
+
+__all__ = ["CgroupsMode", "DumpOptions", "RestoreOptions", "checkpoint_argv", "restore_argv", "required_features"]
+
+
+class CgroupsMode(str, enum.Enum):
+    """How CRIU treats the container's cgroups (runc --manage-cgroups-mode)."""
+
+    SOFT = "soft"      # restore cgroup properties only where the cgroup is new (runc's default)
+    FULL = "full"      # restore every property
+    STRICT = "strict"  # refuse to restore into cgroups that differ from the dumped ones
+
+
+@dataclass(frozen=True)
+class DumpOptions:
+    # Keep the sandbox running after the dump (a checkpoint, not a migration).
+    leave_running: bool = True
+    # Dump established TCP connections (CRIU repairs them on restore); without
+    # it a connected TCP socket makes the dump fail.
+    tcp_established: bool = False
+    # Dump unix sockets whose peer is outside the sandbox (the peer is not
+    # restored; the socket comes back disconnected). Without it such a
+    # socket makes the dump fail -- the safe default.
+    ext_unix_sk: bool = False
+    # Allow processes attached to a terminal / session outside the sandbox.
+    shell_job: bool = False
+    # Dump and restore file locks (flock, POSIX locks).
+    file_locks: bool = False
+    # cgroup handling; see CgroupsMode.
+    manage_cgroups_mode: CgroupsMode = CgroupsMode.SOFT
+    # Seconds the whole runc checkpoint may take before it is killed.
+    timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "DumpOptions":
+        return _from_dict(cls, d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_dict(self)
+
+
+@dataclass(frozen=True)
+class RestoreOptions:
+    # Same meanings as in DumpOptions; must match what the image holds (a
+    # dump with tcp_established needs a restore with it).
+    tcp_established: bool = False
+    ext_unix_sk: bool = False
+    shell_job: bool = False
+    file_locks: bool = False
+    manage_cgroups_mode: CgroupsMode = CgroupsMode.SOFT
+    # Use chroot-like MS_MOVE instead of pivot_root (roots on a ramdisk).
+    no_pivot: bool = False
+    # Seconds the whole runc restore may take before it is killed.
+    timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @classmethod
+    def from_dump(cls, d: DumpOptions) -> "RestoreOptions":
+        """The restore options an image dumped with `d` needs."""
+        return cls(tcp_established=d.tcp_established, ext_unix_sk=d.ext_unix_sk, shell_job=d.shell_job,
+                   file_locks=d.file_locks, manage_cgroups_mode=d.manage_cgroups_mode)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "RestoreOptions":
+        return _from_dict(cls, d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_dict(self)
+
+
+def _validate(o: DumpOptions | RestoreOptions) -> None:
+    for f in fields(o):
+        v = getattr(o, f.name)
+        if f.name == "manage_cgroups_mode":
+            try:
+                object.__setattr__(o, f.name, CgroupsMode(v))
+            except ValueError:
+                raise InvalidArgument(f"manage_cgroups_mode {v!r} is not one of "
+                                      f"{', '.join(m.value for m in CgroupsMode)}") from None
+        elif f.name == "timeout":
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise InvalidArgument(f"timeout must be a positive number of seconds, not {v!r}")
+        elif not isinstance(v, bool):
+            raise InvalidArgument(f"option {f.name} must be true or false, not {v!r}")
+
+
+def _from_dict(cls, d: Mapping[str, Any]):  # type: ignore[no-untyped-def]
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise InvalidArgument(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return cls(**dict(d))
+
+
+def _to_dict(o: DumpOptions | RestoreOptions) -> dict[str, Any]:
+    out = {f.name: getattr(o, f.name) for f in fields(o)}
+    out["manage_cgroups_mode"] = o.manage_cgroups_mode.value
+    return out
+
+
+def _common_flags(o: DumpOptions | RestoreOptions) -> list[str]:
+    out = []
+    if o.tcp_established:
+        out.append("--tcp-established")
+    if o.ext_unix_sk:
+        out.append("--ext-unix-sk")
+    if o.shell_job:
+        out.append("--shell-job")
+    if o.file_locks:
+        out.append("--file-locks")
+    if o.manage_cgroups_mode is not CgroupsMode.SOFT:
+        out += ["--manage-cgroups-mode", o.manage_cgroups_mode.value]
+    return out
+
+
+def _runc_prefix(runc: str, runc_root: str, criu: str) -> list[str]:
+    argv = [runc, "--root", runc_root]
+    if criu != "criu":
+        argv += ["--criu", criu]
+    return argv
+
+
+def checkpoint_argv(runc: str, runc_root: str, container_id: str, image_dir: str, work_dir: str,
+                    opts: DumpOptions, criu: str = "criu") -> list[str]:
+    """`runc checkpoint` of `container_id` into `image_dir`. Pure."""
+    argv = _runc_prefix(runc, runc_root, criu) + ["checkpoint", "--image-path", image_dir, "--work-path", work_dir]
+    if opts.leave_running:
+        argv.append("--leave-running")
+    return argv + _common_flags(opts) + [container_id]
+
+
+def restore_argv(runc: str, runc_root: str, container_id: str, bundle: str, image_dir: str, work_dir: str,
+                 pid_file: str, opts: RestoreOptions, criu: str = "criu") -> list[str]:
+    """Detached `runc restore` of `image_dir` as container `container_id`. Pure."""
+    argv = _runc_prefix(runc, runc_root, criu) + ["restore", "--bundle", bundle, "--image-path", image_dir,
+            "--work-path", work_dir, "--detach", "--pid-file", pid_file]
+    if opts.no_pivot:
+        argv.append("--no-pivot")
+    return argv + _common_flags(opts) + [container_id]
+
+
+# CRIU features (`criu check --feature NAME`) each option relies on.
+_BASE_FEATURES = ("mnt_id", "seccomp_filters", "ns_pid")
+
+
+def required_features(o: DumpOptions | RestoreOptions) -> tuple[str, ...]:
+    """The CRIU features a dump/restore with `o` needs. Pure."""
+    feats = list(_BASE_FEATURES)
+    if o.tcp_established:
+        feats.append("tcp_half_closed")
+    if o.file_locks:
+        feats.append("fdinfo_lock")
+    return tuple(feats)

@@ -1,0 +1,254 @@
+"""Dump and restore through runc, which drives CRIU.
+
+The one seam where deltacr runs commands is `CommandRunner`; unit tests
+inject `deltacr.testing.FakeCommandRunner`. CRIU's version and features are
+checked once per (binary, feature set) and cached. A failed dump or restore
+raises `CriuFailed` with the `Error` lines of CRIU's own log; the log stays
+in the work directory (the image store keeps it next to the image).
+
+Why a runner of our own and not `subprocess.run`: a restored sandbox init
+inherits `runc restore`'s stdout/stderr when its dumped ones were pipes, so
+the pipe never reaches end of file; we read until runc itself exits.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import selectors
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Protocol, Sequence
+
+from .errors import CommandFailed, CriuFailed, CriuUnavailable
+from .netns import loopback_up
+from .options import DumpOptions, RestoreOptions, checkpoint_argv, required_features, restore_argv
+
+__all__ = ["Result", "CommandRunner", "SubprocessCommandRunner", "CriuInfo", "check_criu", "criu_errors",
+           "Runc", "MIN_CRIU_VERSION"]
+
+MIN_CRIU_VERSION = (3, 17)  # leave-stopped through a config file, cgroup v1 freezer handling
+# Logged on every CRIU run on these hosts (setrlimit is refused) and never the cause.
+_NOISE = re.compile(r"rlimit: Can't setup RLIMIT_NOFILE")
+_ERROR = re.compile(r"\bError \(")
+
+
+@dataclass(frozen=True)
+class Result:
+    argv: list[str]
+    returncode: int | None   # None: killed at its timeout
+    output: bytes            # stdout and stderr, interleaved
+    duration: float
+
+
+class CommandRunner(Protocol):
+    def run(self, argv: list[str], *, timeout: float) -> Result: ...
+
+
+class SubprocessCommandRunner:
+    """Runs a command with stdin on /dev/null and its output on one pipe; done
+    when the command exits (not when the pipe closes, see module doc)."""
+
+    MAX_OUTPUT = 1 << 20
+
+    def run(self, argv: list[str], *, timeout: float) -> Result:
+        start = time.monotonic()
+        try:
+            p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        except FileNotFoundError as e:
+            raise CommandFailed(argv, 127, str(e), context=f"running {argv[0]}") from e
+        assert p.stdout is not None
+        fd = p.stdout.fileno()
+        os.set_blocking(fd, False)
+        out = bytearray()
+        sel = selectors.DefaultSelector()
+        sel.register(fd, selectors.EVENT_READ)
+        timed_out = False
+        open_ = True
+        try:
+            while True:
+                exited = p.poll() is not None
+                if open_:
+                    events = sel.select(timeout=0 if exited else 0.002)
+                    if events:
+                        try:
+                            chunk = os.read(fd, 65536)
+                        except BlockingIOError:
+                            chunk = None
+                        if chunk == b"":
+                            open_ = False
+                            sel.unregister(fd)
+                        elif chunk:
+                            if len(out) < self.MAX_OUTPUT:
+                                out += chunk[: self.MAX_OUTPUT - len(out)]
+                            continue
+                if exited:
+                    break
+                if time.monotonic() - start > timeout:
+                    timed_out = True
+                    p.send_signal(signal.SIGKILL)
+                    p.wait()
+                    break
+                if not open_:
+                    time.sleep(0.001)
+        finally:
+            sel.close()
+            p.stdout.close()
+        rc = p.wait()
+        return Result(list(argv), None if timed_out else rc, bytes(out), time.monotonic() - start)
+
+
+@dataclass(frozen=True)
+class CriuInfo:
+    binary: str
+    version: tuple[int, ...]
+    features: frozenset[str]
+
+
+_criu_cache: dict[tuple[str, tuple[str, ...]], CriuInfo] = {}
+_criu_lock = threading.Lock()
+
+
+def check_criu(runner: CommandRunner, criu: str = "criu", features: Iterable[str] = ()) -> CriuInfo:
+    """CRIU's version and the given features, checked once and cached.
+
+    Raises CriuUnavailable listing everything that is missing (binary, a
+    new enough version, a working `criu check`, each feature)."""
+    want = tuple(sorted(set(features)))
+    key = (criu, want)
+    with _criu_lock:
+        if key in _criu_cache:
+            return _criu_cache[key]
+        fix = "run scripts/setup-host (it installs CRIU 4.x under /opt/crabd/criu and /usr/local/bin/criu)"
+        try:
+            res = runner.run([criu, "--version"], timeout=10)
+        except CommandFailed:
+            raise CriuUnavailable(f"CRIU ({criu}) is not installed", missing=[criu], fix=fix) from None
+        m = re.search(rb"Version:\s*(\d+(?:\.\d+)*)", res.output)
+        if res.returncode != 0 or not m:
+            raise CriuUnavailable(f"`{criu} --version` failed: {res.output.decode(errors='replace').strip()[-300:]}",
+                                  missing=[criu], fix=fix)
+        version = tuple(int(x) for x in m.group(1).decode().split("."))
+        missing: list[str] = []
+        if version < MIN_CRIU_VERSION:
+            missing.append(f"CRIU >= {'.'.join(map(str, MIN_CRIU_VERSION))} (found {'.'.join(map(str, version))})")
+        res = runner.run([criu, "check"], timeout=30)
+        if res.returncode != 0:
+            errs, _ = criu_errors(res.output.decode(errors="replace"))
+            missing.append("a passing `criu check`" + (f" ({'; '.join(errs[:3])})" if errs else ""))
+        have = set()
+        for f in want:
+            r = runner.run([criu, "check", "--feature", f], timeout=30)
+            if r.returncode == 0 and b"is supported" in r.output:
+                have.add(f)
+            else:
+                missing.append(f"feature {f}")
+        if missing:
+            raise CriuUnavailable(f"CRIU at {criu} cannot be used: missing {', '.join(missing)}",
+                                  missing=missing, fix=fix)
+        info = CriuInfo(criu, version, frozenset(have))
+        _criu_cache[key] = info
+        return info
+
+
+def criu_errors(log_text: str, context_lines: int = 3) -> tuple[list[str], list[str]]:
+    """(Error lines, the lines just before the first of them) of a CRIU log,
+    without the rlimit noise of these hosts. Pure."""
+    lines = log_text.splitlines()
+    errors: list[str] = []
+    context: list[str] = []
+    for i, ln in enumerate(lines):
+        if _ERROR.search(ln) and not _NOISE.search(ln):
+            if not errors:
+                context = [c.strip() for c in lines[max(0, i - context_lines):i] if not _NOISE.search(c)]
+            errors.append(ln.strip())
+    return errors, context
+
+
+def _read_log(path: Path) -> str:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        return data[-(4 << 20):].decode(errors="replace")
+    except OSError:
+        return ""
+
+
+class Runc:
+    """runc's checkpoint and restore for containers under one runc root."""
+
+    def __init__(self, root: str | os.PathLike[str], *, runc: str = "runc", criu: str = "criu",
+                 runner: CommandRunner | None = None, check: bool = True, loopback: bool = True) -> None:
+        self.root = str(root)
+        self.runc = runc
+        self.criu = criu
+        self.runner = runner or SubprocessCommandRunner()
+        self.check = check
+        self.loopback = loopback
+
+    def _require(self, opts: DumpOptions | RestoreOptions) -> None:
+        if self.check:
+            check_criu(self.runner, self.criu, required_features(opts))
+
+    def checkpoint(self, container_id: str, image_dir: str | os.PathLike[str], work_dir: str | os.PathLike[str],
+                   opts: DumpOptions = DumpOptions()) -> float:
+        """Dump `container_id` into `image_dir` (log: `work_dir`/dump.log).
+        Returns seconds taken. Raises CriuFailed with CRIU's reasons."""
+        self._require(opts)
+        os.makedirs(image_dir, exist_ok=True)
+        os.makedirs(work_dir, exist_ok=True)
+        argv = checkpoint_argv(self.runc, self.root, container_id, str(image_dir), str(work_dir), opts, self.criu)
+        res = self.runner.run(argv, timeout=opts.timeout)
+        if res.returncode != 0:
+            self._fail(f"dump of container {container_id}", res, Path(work_dir) / "dump.log")
+        return res.duration
+
+    def restore(self, container_id: str, bundle: str | os.PathLike[str], image_dir: str | os.PathLike[str],
+                work_dir: str | os.PathLike[str], opts: RestoreOptions = RestoreOptions()) -> int:
+        """Restore `image_dir` as detached container `container_id` from
+        `bundle` (whose rootfs must already hold the matching file system).
+        Returns the host pid of the restored init."""
+        self._require(opts)
+        os.makedirs(work_dir, exist_ok=True)
+        pid_file = Path(work_dir) / "restore.pid"
+        pid_file.unlink(missing_ok=True)
+        argv = restore_argv(self.runc, self.root, container_id, str(bundle), str(image_dir), str(work_dir),
+                            str(pid_file), opts, self.criu)
+        res = self.runner.run(argv, timeout=opts.timeout)
+        if res.returncode != 0:
+            self._fail(f"restore of container {container_id}", res, Path(work_dir) / "restore.log")
+        try:
+            pid = int(pid_file.read_text().strip())
+        except (OSError, ValueError) as e:
+            raise CommandFailed(argv, 0, f"runc restore wrote no pid file {pid_file}: {e}",
+                                context=f"restore of container {container_id}") from e
+        if self.loopback:
+            loopback_up(pid)  # runc restores the network namespace empty: see netns.py
+        return pid
+
+    def delete(self, container_id: str, *, force: bool = True) -> None:
+        argv = [self.runc, "--root", self.root, "delete"] + (["--force"] if force else []) + [container_id]
+        self.runner.run(argv, timeout=30)
+
+    def _fail(self, what: str, res: Result, log: Path) -> None:
+        output = res.output.decode(errors="replace")
+        if res.returncode is None:
+            output += "\n(killed at its timeout)"
+        errors, context = criu_errors(_read_log(log))
+        if not errors and not log.exists():
+            raise CommandFailed(res.argv, -9 if res.returncode is None else res.returncode, output, context=what)
+        raise CriuFailed(what, errors=errors, context=context, log_path=str(log), output=output)
+
+
+def unsupported_hint(errors: Sequence[str]) -> str | None:
+    """A one-line reason for common refusals. Pure."""
+    text = "\n".join(errors)
+    if "External socket" in text or "ext-unix-sk" in text or "unix socket" in text.lower():
+        return "a process holds a unix socket connected outside the sandbox (DumpOptions.ext_unix_sk allows it)"
+    if "TCP connection" in text or "tcp-established" in text:
+        return "a process holds an established TCP connection (DumpOptions.tcp_established allows it)"
+    return None
