@@ -36,7 +36,7 @@ past a job that does not fit), so the bytes in flight only drain while the
 head waits, and the head then runs. New checkpoints get deadlines at or after
 their submission time, so once time passes a queued job's deadline, nothing
 new can overtake it. Background work waits for the host to be idle, which
-happens once the (finite) checkpoint work done; `background_max_delay`
+happens once the (finite) checkpoint work is done; `background_max_delay`
 optionally bounds that wait on a host that is never idle.
 
 Example (policy alone, simulated time):
@@ -439,12 +439,12 @@ class Scheduler:
         e = self._running.get(job_id)
         return None if e is None or e.started_at is None else e.started_at - e.queued_at
 
-    @property
     def queued(self) -> list[Job]:
+        """Queued jobs, in the order the policy would consider them."""
         return self.policy.queued()
 
-    @property
     def running(self) -> list[Job]:
+        """Jobs started and not yet finished."""
         return [e.job for e in self._running.values()]
 
     async def close(self) -> None:

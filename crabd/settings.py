@@ -22,7 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import InvalidArgument
-from .scheduler import DEFAULT_IO_BUDGET, DEFAULT_LLM_WAIT
+from .scheduler import DEFAULT_IO_BUDGET, DEFAULT_LLM_WAIT, SchedulerPolicy
 
 __all__ = [
     "Settings",
@@ -70,6 +70,18 @@ class SchedulerSettings(_Section):
     default_llm_wait: float = Field(DEFAULT_LLM_WAIT, gt=0, description="expected LLM wait (s) before any is observed")
     gap_smoothing: float = Field(0.3, gt=0, le=1, description="EMA weight of each newly observed gap")
     background_max_delay: float | None = Field(None, gt=0, description="run background work this old (s) even when busy")
+
+    def policy(self) -> SchedulerPolicy:
+        """The scheduler policy these settings describe (one per daemon)."""
+        return SchedulerPolicy(
+            max_concurrency=self.max_concurrency,
+            io_budget_bytes=self.io_budget_bytes,
+            max_background=self.max_background,
+            default_wait=self.default_llm_wait,
+            smoothing=self.gap_smoothing,
+            enabled=self.enabled,
+            background_max_delay=self.background_max_delay,
+        )
 
 
 class SnapshotSettings(_Section):

@@ -152,3 +152,12 @@ def test_overrides_are_validated_like_the_file():
 def test_settings_are_immutable():
     with pytest.raises(Exception):
         Settings().state_dir = Path("/x")  # type: ignore[misc]
+
+
+def test_scheduler_settings_build_the_policy():
+    s = Settings().with_overrides(scheduler={"max_concurrency": 4, "io_budget_bytes": 1 << 20, "enabled": False,
+                                             "default_llm_wait": 3.5, "background_max_delay": 60})
+    p = s.scheduler.policy()
+    assert (p.max_concurrency, p.io_budget_bytes, p.enabled) == (4, 1 << 20, False)
+    assert p.expected_wait("any") == 3.5 and p.background_max_delay == 60.0
+    assert Settings().scheduler.policy().max_concurrency == 2
