@@ -204,7 +204,6 @@ def make_app(daemon: Daemon) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         from .metrics import CONTENT_TYPE
-        daemon.metrics.scheduler_queue_depth.set(len(daemon.scheduler.queued()))
         return Response(daemon.metrics.render(), media_type=CONTENT_TYPE)
 
     return app

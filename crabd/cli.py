@@ -4,8 +4,9 @@ Every command that reports has `--json`; every command that touches state
 takes `--state-dir` (or $CRABD_STATE_DIR). Errors print what went wrong and
 how to fix it, on stderr, and exit 1 (2 for bad usage).
 
-Sandbox commands here drive `crabd.runtime` directly on the state directory;
-once the daemon is running they are meant to go through its socket.
+Image commands work on the state directory; sandbox, exec, checkpoint,
+rollback, fork and event commands go through the daemon's socket
+(`--socket`, or $CRABD_SOCKET, default /run/crabd/crabd.sock).
 """
 
 from __future__ import annotations
@@ -193,75 +194,63 @@ def image_rm(name: str, state_dir: Optional[Path] = StateDir, as_json: bool = Js
         out.print(f"removed image {name}")
 
 
-# --- sandboxes -------------------------------------------------------------------------
+# --- sandboxes (through the daemon) -----------------------------------------------------
+SocketOpt = typer.Option(None, "--socket", envvar="CRABD_SOCKET", help="daemon socket [default: /run/crabd/crabd.sock]")
+checkpoint_app = typer.Typer(no_args_is_help=True, help="Checkpoints: list, inspect, create, delete, diff.")
+app.add_typer(checkpoint_app, name="checkpoint")
+
+
+def _client(socket: Optional[Path]):  # type: ignore[no-untyped-def]
+    from .client import Client
+    return Client(socket)
+
+
+def _table(rows: list[dict[str, Any]], cols: list[str]) -> None:
+    t = Table(box=None, header_style="bold")
+    for c in cols:
+        t.add_column(c, overflow="fold")
+    for r in rows:
+        t.add_row(*["-" if r.get(c) is None else str(r.get(c)) for c in cols])
+    out.print(t)
+
+
 @sandbox_app.command("create")
 def sandbox_create(image: str, name: Optional[str] = typer.Option(None, "--name"),
                    memory_mb: int = typer.Option(2048, "--memory-mb", help="memory limit (0 = none)"),
                    pids: int = typer.Option(1024, "--pids", help="process limit (0 = none)"),
                    cpus: float = typer.Option(0.0, "--cpus", help="CPU limit in cores (0 = none)"),
-                   state_dir: Optional[Path] = StateDir, as_json: bool = JsonOpt) -> None:
+                   socket: Optional[Path] = SocketOpt, as_json: bool = JsonOpt) -> None:
     """Create and start a sandbox from an image."""
-    from .runtime import Limits
-    rt = _runtime(state_dir)
-    lim = Limits(memory_bytes=memory_mb * 1024**2 or None, pids=pids or None, cpus=cpus or None)
-    sb = _guard(lambda: rt.create(image, name=name, limits=lim), as_json)
-    if as_json:
-        _print_json(sb.to_dict())
-    else:
-        out.print(f"{sb.id}  ({sb.name}, {sb.status})")
+    lim = {"memory_bytes": memory_mb * 1024**2 or None, "pids": pids or None, "cpus": cpus or None}
+    sb = _guard(lambda: _client(socket).create_sandbox(image, name=name, limits=lim), as_json)
+    _print_json(sb) if as_json else out.print(f"{sb['id']}  ({sb['name']}, {sb['status']})")
 
 
 @sandbox_app.command("ls")
-def sandbox_ls(state_dir: Optional[Path] = StateDir, as_json: bool = JsonOpt) -> None:
+def sandbox_ls(socket: Optional[Path] = SocketOpt, as_json: bool = JsonOpt) -> None:
     """List sandboxes."""
-    rt = _runtime(state_dir)
-    sbs = _guard(rt.list, as_json)
+    sbs = _guard(lambda: _client(socket).sandboxes(), as_json)
     if as_json:
-        _print_json({"sandboxes": [s.to_dict() for s in sbs]})
-        return
-    t = Table(box=None, header_style="bold")
-    for col in ("id", "name", "image", "status", "pid"):
-        t.add_column(col)
-    for s in sbs:
-        t.add_row(s.id, s.name, s.image, s.status, str(s.pid or "-"))
-    out.print(t)
+        _print_json({"sandboxes": sbs})
+    else:
+        _table(sbs, ["id", "name", "image", "status", "turn", "head", "branch"])
 
 
 @sandbox_app.command("inspect")
-def sandbox_inspect(sandbox: str, state_dir: Optional[Path] = StateDir, as_json: bool = JsonOpt) -> None:
+def sandbox_inspect(sandbox: str, socket: Optional[Path] = SocketOpt, as_json: bool = JsonOpt) -> None:
     """Show one sandbox."""
-    rt = _runtime(state_dir)
-    sb = _guard(lambda: rt.get(sandbox), as_json)
-    data = sb.to_dict()
-    data["pids"] = rt.pids(sb.id)
+    sb = _guard(lambda: _client(socket).sandbox(sandbox), as_json)
     if as_json:
-        _print_json(data)
+        _print_json(sb)
     else:
-        for k, v in data.items():
+        for k, v in sb.items():
             out.print(f"[bold]{k}[/bold]: {v}", highlight=False)
 
 
-@sandbox_app.command("stop")
-def sandbox_stop(sandbox: str, state_dir: Optional[Path] = StateDir, as_json: bool = JsonOpt) -> None:
-    """Kill a sandbox's processes (its files stay; `start` runs a fresh init)."""
-    rt = _runtime(state_dir)
-    sb = _guard(lambda: rt.stop(sandbox), as_json)
-    _print_json(sb.to_dict()) if as_json else out.print(f"{sb.id} {sb.status}")
-
-
-@sandbox_app.command("start")
-def sandbox_start(sandbox: str, state_dir: Optional[Path] = StateDir, as_json: bool = JsonOpt) -> None:
-    """Start a stopped sandbox with a fresh init."""
-    rt = _runtime(state_dir)
-    sb = _guard(lambda: rt.start(sandbox), as_json)
-    _print_json(sb.to_dict()) if as_json else out.print(f"{sb.id} {sb.status}")
-
-
 @sandbox_app.command("rm")
-def sandbox_rm(sandbox: str, state_dir: Optional[Path] = StateDir, as_json: bool = JsonOpt) -> None:
-    """Destroy a sandbox: kill, unmount, delete."""
-    rt = _runtime(state_dir)
-    _guard(lambda: rt.destroy(sandbox), as_json)
+def sandbox_rm(sandbox: str, socket: Optional[Path] = SocketOpt, as_json: bool = JsonOpt) -> None:
+    """Destroy a sandbox and its checkpoints."""
+    _guard(lambda: _client(socket).delete_sandbox(sandbox), as_json)
     _print_json({"removed": sandbox}) if as_json else out.print(f"removed {sandbox}")
 
 
@@ -270,9 +259,8 @@ def exec_(sandbox: str, cmd: List[str] = typer.Argument(..., help="command and a
           timeout: float = typer.Option(600.0, "--timeout"), cwd: Optional[str] = typer.Option(None, "--cwd"),
           env: List[str] = typer.Option([], "--env", help="K=V, repeatable"),
           shell: bool = typer.Option(False, "--shell", help="run CMD as one /bin/sh -c string"),
-          state_dir: Optional[Path] = StateDir, as_json: bool = JsonOpt) -> None:
-    """Run a command in a sandbox; exits with the command's exit code."""
-    rt = _runtime(state_dir)
+          socket: Optional[Path] = SocketOpt, as_json: bool = JsonOpt) -> None:
+    """Run a command in a sandbox (one agent turn); exits with its exit code."""
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if not cmd:
@@ -285,15 +273,116 @@ def exec_(sandbox: str, cmd: List[str] = typer.Argument(..., help="command and a
             err.print(f"[red]error:[/red] --env {e!r} is not K=V")
             raise typer.Exit(2)
         envd[k] = v
-    stdin = None if sys.stdin is None or sys.stdin.isatty() else sys.stdin.buffer.read()
+    stdin = None if sys.stdin is None or sys.stdin.isatty() else sys.stdin.read()
     command: Any = " ".join(cmd) if shell else list(cmd)
-    res = _guard(lambda: rt.exec(sandbox, command, env=envd, cwd=cwd, timeout=timeout, stdin=stdin), as_json)
+    res = _guard(lambda: _client(socket).exec(sandbox, command, env=envd or None, cwd=cwd, timeout=timeout,
+                                               stdin=stdin), as_json)
     if as_json:
-        _print_json(res.to_dict())
+        _print_json(res)
     else:
-        sys.stdout.write(res.stdout)
-        sys.stderr.write(res.stderr)
-    raise typer.Exit(res.exit_code)
+        sys.stdout.write(res["stdout"])
+        sys.stderr.write(res["stderr"])
+        if os.environ.get("CRABD_VERBOSE"):
+            err.print(f"[dim]turn {res['turn']}: {res['plan']} -> {res['checkpoint']}[/dim]")
+    raise typer.Exit(res["exit_code"])
+
+
+@checkpoint_app.command("ls")
+def checkpoint_ls(sandbox: str, all_states: bool = typer.Option(False, "--all", help="include failed ones"),
+                  socket: Optional[Path] = SocketOpt, as_json: bool = JsonOpt) -> None:
+    """List a sandbox's checkpoints (the current head is marked)."""
+    cks = _guard(lambda: _client(socket).checkpoints(sandbox, all=all_states), as_json)
+    if as_json:
+        _print_json({"checkpoints": cks})
+        return
+    for c in cks:
+        c["head"] = "*" if c.get("head") else ""
+        c["pause_ms"] = f"{1000 * c['durations'].get('pause', 0):.1f}" if c.get("durations") else "-"
+    _table(cks, ["head", "seq", "id", "turn", "branch", "plan", "state", "bytes", "pause_ms"])
+
+
+@checkpoint_app.command("inspect")
+def checkpoint_inspect(checkpoint: str, socket: Optional[Path] = SocketOpt, as_json: bool = JsonOpt) -> None:
+    """Show a checkpoint with its Effects, Plan, sizes and timings."""
+    ck = _guard(lambda: _client(socket).checkpoint(checkpoint), as_json)
+    if as_json:
+        _print_json(ck)
+    else:
+        for k, v in ck.items():
+            out.print(f"[bold]{k}[/bold]: {v}", highlight=False)
+
+
+@checkpoint_app.command("create")
+def checkpoint_create(sandbox: str, socket: Optional[Path] = SocketOpt, as_json: bool = JsonOpt) -> None:
+    """Checkpoint a sandbox now (file system, whatever the inspector saw)."""
+    ck = _guard(lambda: _client(socket).create_checkpoint(sandbox), as_json)
+    _print_json(ck) if as_json else out.print(f"{ck['id']} {ck['state']} ({ck['bytes']} bytes)")
+
+
+@checkpoint_app.command("rm")
+def checkpoint_rm(checkpoint: str, socket: Optional[Path] = SocketOpt, as_json: bool = JsonOpt) -> None:
+    """Delete a checkpoint (not the head, not one with children)."""
+    _guard(lambda: _client(socket).delete_checkpoint(checkpoint), as_json)
+    _print_json({"removed": checkpoint}) if as_json else out.print(f"removed {checkpoint}")
+
+
+@checkpoint_app.command("diff")
+def checkpoint_diff(a: str, b: str, socket: Optional[Path] = SocketOpt, as_json: bool = JsonOpt) -> None:
+    """Files added, modified and deleted from checkpoint A to checkpoint B."""
+    d = _guard(lambda: _client(socket).diff(a, b), as_json)
+    if as_json:
+        _print_json(d)
+    else:
+        _table(d["changes"], ["kind", "path", "type", "size"])
+
+
+@app.command()
+def rollback(sandbox: str, to: Optional[str] = typer.Option(None, "--to", help="checkpoint id or seq [default: latest]"),
+             socket: Optional[Path] = SocketOpt, as_json: bool = JsonOpt) -> None:
+    """Roll a sandbox back to a checkpoint; a new branch starts there."""
+    r = _guard(lambda: _client(socket).rollback(sandbox, to), as_json)
+    if as_json:
+        _print_json(r)
+        return
+    out.print(f"{r['sandbox']} rolled back to {r['checkpoint']} (turn {r['turn']}, branch {r['branch']}) "
+              f"in {r['duration_ms']:.0f} ms")
+    for e in r["effects_not_undone"]:
+        out.print(f"[yellow]not undone:[/yellow] turn {e['turn']}: {'; '.join(e['reasons']) or 'unknown effects'}")
+
+
+@app.command()
+def fork(checkpoint: str, count: int = typer.Option(1, "--count"), socket: Optional[Path] = SocketOpt,
+         as_json: bool = JsonOpt) -> None:
+    """Create COUNT new sandboxes from a checkpoint (tree search)."""
+    with err.status(f"forking {checkpoint} x{count} ..."):
+        r = _guard(lambda: _client(socket).fork(checkpoint, count), as_json)
+    _print_json(r) if as_json else out.print("\n".join(r["sandboxes"]))
+
+
+@app.command()
+def events(sandbox: Optional[str] = typer.Option(None, "--sandbox"), follow: bool = typer.Option(False, "--follow", "-f"),
+           since: int = typer.Option(0, "--since"), socket: Optional[Path] = SocketOpt, as_json: bool = JsonOpt) -> None:
+    """Show the daemon's events (rollbacks, deaths, checkpoints)."""
+    c = _client(socket)
+
+    def show(e: dict[str, Any]) -> None:
+        if as_json:
+            print(json.dumps(e), flush=True)
+        else:
+            import datetime
+            ts = datetime.datetime.fromtimestamp(e["ts"]).strftime("%H:%M:%S")
+            out.print(f"{e['seq']:>6} {ts} {e['sandbox_id'] or '-':14} {e['kind']:22} "
+                      f"{json.dumps(e['data'])[:60]}", highlight=False)
+
+    if follow:
+        try:
+            for e in c.follow_events(since, sandbox):
+                show(e)
+        except KeyboardInterrupt:
+            return
+    else:
+        for e in _guard(lambda: c.events(since, sandbox), as_json):
+            show(e)
 
 
 # --- benchmarks ------------------------------------------------------------------------

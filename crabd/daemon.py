@@ -56,9 +56,8 @@ _CRABD_PATHS = ("/dev/.crabd",)
 class DaemonOptions:
     auto_rollback: bool = True
     snapshot_driver: str = "auto"
-    max_concurrency: int = 2
-    keep_last: int = 0            # 0 = keep every checkpoint
     use_bpf: bool = True
+    scheduler: Any = None         # a SchedulerPolicy; default: SchedulerPolicy()
 
 
 @dataclass
@@ -86,8 +85,7 @@ class Daemon:
         from .metrics import Metrics
         from .scheduler import Scheduler, SchedulerPolicy
         self.metrics = Metrics()
-        self.scheduler = Scheduler(SchedulerPolicy(max_concurrency=self.options.max_concurrency),
-                                   metrics=self.metrics)
+        self.scheduler = Scheduler(self.options.scheduler or SchedulerPolicy(), metrics=self.metrics)
         self.turns: dict[str, Turns] = {}
         self._image_locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
@@ -144,6 +142,7 @@ class Daemon:
                     await asyncio.wait_for(asyncio.shield(t.capture), 30)
                 except Exception:
                     pass
+        await self.scheduler.close()
         try:
             self.inspector.close()
         except Exception:
@@ -413,10 +412,9 @@ class Daemon:
         # Size estimate for the I/O budget: a SKIP writes nothing.
         est = 0 if ck.plan == "SKIP" else 1 << 20
         job = self.scheduler.policy.checkpoint_job(sid, est, time.monotonic())
-        queued = time.monotonic()
 
         async def run() -> None:
-            self.metrics.checkpoint_duration.labels(phase="queue").observe(time.monotonic() - queued)
+            # (the scheduler records the queue phase itself)
             await asyncio.to_thread(self._capture, ck)
 
         try:

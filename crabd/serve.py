@@ -64,7 +64,7 @@ def bind_unix_socket(path: Path) -> socket.socket:
 
 async def serve(settings: Settings) -> None:
     opts = DaemonOptions(auto_rollback=settings.auto_rollback, snapshot_driver=settings.snapshot.driver,
-                         max_concurrency=settings.scheduler.max_concurrency)
+                         scheduler=settings.scheduler.policy())
     sdnotify.status("starting: loading state")
     daemon = Daemon(settings.state_dir, options=opts)
     await daemon.start()
@@ -81,9 +81,8 @@ async def serve(settings: Settings) -> None:
         sdnotify.ready(f"serving {settings.socket}; {len(daemon.turns)} sandboxes")
         log.warning("crabd serving on %s (state %s)", settings.socket, settings.state_dir)
         interval = sdnotify.watchdog_interval() if settings.watchdog else None
-        while interval:
-            sdnotify.watchdog()
-            await asyncio.sleep(interval / 2)
+        if interval:
+            await sdnotify.Notifier.from_env().keep_alive(interval)
 
     ann = asyncio.create_task(announce())
     try:

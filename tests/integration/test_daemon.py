@@ -1,0 +1,274 @@
+"""The daemon end to end, through its socket: turns, checkpoints, automatic
+recovery, kill -9 of crabd mid-checkpoint, fork, API errors."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+import httpx
+import pytest
+
+from crabd.client import Client
+from crabd.errors import FailedPrecondition, NotFound
+from crabd.runtime import Runtime
+
+from conftest import cleanup_state_dir  # noqa: E402  (tests/integration is on sys.path)
+
+CRABD = str(Path(sys.executable).parent / "crabd")
+
+
+class DaemonHandle:
+    def __init__(self, state: Path) -> None:
+        self.state = state
+        self.socket = state / "api.sock"
+        self.log = state / "daemon.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen([CRABD, "serve", "--state-dir", str(self.state), "--socket", str(self.socket)],
+                                         stdout=log, stderr=log, start_new_session=True)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"crabd serve exited: {self.log.read_text()[-2000:]}")
+            try:
+                Client(self.socket).health()
+                return
+            except FailedPrecondition:
+                time.sleep(0.2)
+        raise AssertionError(f"crabd serve did not answer in 90 s: {self.log.read_text()[-2000:]}")
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill9()
+
+    def client(self) -> Client:
+        return Client(self.socket)
+
+
+@pytest.fixture(scope="module")
+def crabd(runtime, busybox_image, debian_image):
+    state = Path(tempfile.mkdtemp(prefix="crabd-daemon-", dir="/var/tmp"))
+    images = Runtime(state).images
+    images.import_path(runtime.images.get(busybox_image).path, "busybox")
+    images.import_path(runtime.images.get(debian_image).path, "debian-py")
+    d = DaemonHandle(state)
+    d.start()
+    yield d
+    try:
+        c = d.client()
+        for sb in c.sandboxes():
+            c.delete_sandbox(sb["id"])
+    finally:
+        d.stop()
+        cleanup_state_dir(state)
+
+
+def wait_captured(c: Client, sid: str, timeout: float = 30) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while True:
+        cks = c.checkpoints(sid)
+        if all(k["state"] == "committed" for k in cks) or time.monotonic() > deadline:
+            return cks
+        time.sleep(0.05)
+
+
+def tree_digest(c: Client, sid: str, path: str) -> str:
+    r = c.exec(sid, f"cd {path} && find . -path ./.git -prune -o -type f -print | sort | xargs -r sha256sum")
+    assert r["exit_code"] == 0, r["stderr"]
+    return hashlib.sha256(r["stdout"].encode()).hexdigest()
+
+
+def make_wheel(tmp: Path) -> Path:
+    """A pure-Python wheel built by hand: crabd_demo_pkg 1.0."""
+    whl = tmp / "crabd_demo_pkg-1.0-py3-none-any.whl"
+    files = {
+        "crabd_demo_pkg/__init__.py": "VALUE = 42\n",
+        "crabd_demo_pkg-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: crabd-demo-pkg\nVersion: 1.0\n",
+        "crabd_demo_pkg-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = []
+    with zipfile.ZipFile(whl, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+            record.append(f"{name},sha256={digest},{len(text)}")
+        record.append("crabd_demo_pkg-1.0.dist-info/RECORD,,")
+        z.writestr("crabd_demo_pkg-1.0.dist-info/RECORD", "\n".join(record) + "\n")
+    return whl
+
+
+def test_agent_session_crash_and_automatic_recovery(crabd, tmp_path):
+    c = crabd.client()
+    sb = c.create_sandbox("debian-py", name="agent")
+    sid = sb["id"]
+    wheel = base64.b64encode(make_wheel(tmp_path).read_bytes()).decode()
+    turns = [
+        ("mkdir -p /work && printf 'def add(a, b):\\n    return a + b\\n' > /work/calc.py", "FS"),
+        ("cat /work/calc.py", "SKIP"),
+        ("cd /work && python3 -c 'import sys; sys.dont_write_bytecode=True; import calc; print(calc.add(1, 2))'", "SKIP"),
+        (f"echo {wheel} | base64 -d > /tmp/crabd_demo_pkg-1.0-py3-none-any.whl && "
+         "pip install -q --no-index --break-system-packages /tmp/crabd_demo_pkg-1.0-py3-none-any.whl", "FS"),
+        ("sed -i 's/a + b/b + a/' /work/calc.py", "FS"),
+        ("cd /work && git init -q && git add calc.py && git -c user.name=a -c user.email=a@b commit -qm one", "FS"),
+        ("grep -rn add /work/calc.py", "SKIP"),
+        ("ls -la /work", "SKIP"),
+        ("cd /work && (nohup python3 -m http.server 8000 >/dev/null 2>&1 &) ; sleep 0.5", "FS_PROC"),
+        ("echo notes > /work/notes.txt", None),
+    ]
+    for i, (cmd, expect) in enumerate(turns, 1):
+        r = c.exec(sid, cmd, timeout=120)
+        assert r["exit_code"] == 0, (cmd, r["stderr"])
+        assert r["turn"] == i
+        if expect:
+            assert r["plan"] == expect, (cmd, r["plan"], r["reasons"])
+    cks = wait_captured(c, sid)
+    assert [k["state"] for k in cks] == ["committed"] * 11
+    skips = [k for k in cks if k["plan"] == "SKIP"]
+    assert skips and all(k["fs_snapshot"] == c.checkpoint(k["parent"])["fs_snapshot"] for k in skips)
+    before = tree_digest(c, sid, "/work")
+    head = c.sandbox(sid)["head"]
+
+    # The sandbox crashes: every process in it is killed, as by the OOM killer.
+    events_before = max([e["seq"] for e in c.events()] or [0])
+    init = c.sandbox(sid)["pid"]
+    os.kill(init, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        kinds = [e["kind"] for e in c.events(since=events_before, sandbox=sid)]
+        if "sandbox.rolled_back" in kinds:
+            break
+        time.sleep(0.1)
+    assert "sandbox.died" in kinds and "sandbox.rolled_back" in kinds, kinds
+    info = c.sandbox(sid)
+    assert info["status"] == "running" and info["head"] == head and info["branch"] == 1
+    assert tree_digest(c, sid, "/work") == before
+    r = c.exec(sid, "python3 -c 'import crabd_demo_pkg; print(crabd_demo_pkg.VALUE)'; cd /work && git log --oneline")
+    assert r["stdout"].startswith("42\n") and "one" in r["stdout"]
+    c.delete_sandbox(sid)
+
+
+def test_kill9_crabd_mid_checkpoint_loses_nothing(crabd):
+    c = crabd.client()
+    sid = c.create_sandbox("busybox")["id"]
+    c.exec(sid, "echo one > /tmp/a")
+    c.exec(sid, "echo two > /tmp/b")
+    committed = {k["id"]: k for k in wait_captured(c, sid)}
+    # A big write makes the next capture slow (writeback of 256 MiB) ...
+    r = c.exec(sid, "head -c 268435456 /dev/zero > /tmp/big; echo three > /tmp/c")
+    crabd.kill9()  # ... and crabd dies while it runs.
+    crabd.start()
+    c = crabd.client()
+    after = {k["id"]: k for k in c.checkpoints(sid, all=True)}
+    for cid, k in committed.items():  # every committed checkpoint survived as it was
+        assert after[cid]["state"] == "committed" and after[cid]["digest"] == k["digest"]
+    mid = after[r["checkpoint"]]
+    assert mid["state"] in ("committed", "failed")  # never listed committed unless it is
+    assert c.sandbox(sid)["status"] == "running"
+    assert c.exec(sid, "cat /tmp/a /tmp/b /tmp/c")["stdout"] == "one\ntwo\nthree\n"
+    for cid in sorted(committed, key=lambda x: int(x.rsplit("-", 1)[1])):
+        c.rollback(sid, cid)
+    assert c.exec(sid, "cat /tmp/a /tmp/b")["stdout"] == "one\ntwo\n"
+    c.delete_sandbox(sid)
+
+
+def test_fork_four_sandboxes_diverge_independently(crabd):
+    c = crabd.client()
+    src = c.create_sandbox("busybox")["id"]
+    r = c.exec(src, "mkdir -p /data && echo base > /data/f")
+    wait_captured(c, src)
+    forks = c.fork(r["checkpoint"], 4)["sandboxes"]
+    assert len(set(forks)) == 4
+    for i, f in enumerate(forks):
+        c.exec(f, f"echo fork{i} >> /data/f")
+    c.exec(src, "echo source >> /data/f")
+    for i, f in enumerate(forks):
+        assert c.exec(f, "cat /data/f")["stdout"] == f"base\nfork{i}\n"
+        assert c.sandbox(f)["forked_from"] == r["checkpoint"]
+    assert c.exec(src, "cat /data/f")["stdout"] == "base\nsource\n"
+    for f in forks:
+        c.delete_sandbox(f)
+    c.delete_sandbox(src)
+
+
+def test_api_errors_are_json_with_the_right_status(crabd):
+    c = crabd.client()
+    a = c.create_sandbox("busybox")["id"]
+    b = c.create_sandbox("busybox")["id"]
+    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(crabd.socket)), base_url="http://crabd")
+
+    def err(resp, status, code):
+        assert resp.status_code == status, resp.text
+        body = resp.json()["error"]
+        assert body["code"] == code and body["message"]
+        return body
+
+    err(http.get("/v1/sandboxes/sb-0000000000"), 404, "not_found")
+    err(http.get("/v1/checkpoints/nope-1"), 404, "not_found")
+    err(http.post("/v1/sandboxes/sb-0000000000/exec", json={"cmd": "true"}), 404, "not_found")
+    err(http.post("/v1/sandboxes", json={"image": "no-such-image"}), 404, "not_found")
+    body = err(http.post("/v1/sandboxes", json={}), 422, "invalid_argument")
+    assert "image" in body["message"]
+    body = err(http.post(f"/v1/sandboxes/{a}/exec", json={"cmd": 5}), 422, "invalid_argument")
+    assert "cmd" in body["message"]
+    err(http.post(f"/v1/sandboxes/{a}/exec", content=b"{not json", headers={"content-type": "application/json"}),
+        422, "invalid_argument")
+    err(http.post(f"/v1/sandboxes/{a}/exec", json={"cmd": "true", "bogus": 1}), 422, "invalid_argument")
+    err(http.post(f"/v1/sandboxes/{a}/rollback", json={"checkpoint": f"{b}-0"}), 409, "failed_precondition")
+    err(http.post("/v1/sandboxes", json={"image": "busybox", "name": "../../etc"}), 422, "invalid_argument")
+    err(http.get("/v1/../../etc/passwd"), 404, "not_found")
+    err(http.post(f"/v1/sandboxes/{a}/exec", content=b"x" * (9 * 1024 * 1024),
+                  headers={"content-type": "application/json"}), 413, "too_large")
+    with pytest.raises(NotFound):
+        c.rollback(a, 99)
+    for s in (a, b):
+        c.delete_sandbox(s)
+
+
+def test_socket_metrics_openapi_and_cli(crabd):
+    mode = stat.S_IMODE(os.stat(crabd.socket).st_mode)
+    assert mode & 0o007 == 0, oct(mode)  # never world-accessible
+    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(crabd.socket)), base_url="http://crabd")
+    m = http.get("/metrics").text
+    for name in ("crabd_checkpoint_duration_seconds", "crabd_checkpoint_bytes_total", "crabd_stall_seconds",
+                 "crabd_rollbacks_total", "crabd_turns_total"):
+        assert name in m
+    paths = http.get("/openapi.json").json()["paths"]
+    assert "/v1/sandboxes/{sid}/exec" in paths and "/v1/checkpoints/{cid}/fork" in paths
+    sock = ["--socket", str(crabd.socket)]
+    out = subprocess.run([CRABD, "sandbox", "create", "busybox", "--json", *sock], capture_output=True, text=True)
+    sid = json.loads(out.stdout)["id"]
+    r = subprocess.run([CRABD, "exec", *sock, "--json", sid, "--", "sh", "-c", "echo hi > /f; exit 3"],
+                       capture_output=True, text=True)
+    assert r.returncode == 3 and json.loads(r.stdout)["plan"] == "FS"
+    r = subprocess.run([CRABD, "checkpoint", "ls", sid, "--json", *sock], capture_output=True, text=True)
+    assert [k["seq"] for k in json.loads(r.stdout)["checkpoints"]] == [0, 1]
+    r = subprocess.run([CRABD, "rollback", sid, "--to", "0", "--json", *sock], capture_output=True, text=True)
+    assert json.loads(r.stdout)["checkpoint"] == f"{sid}-0"
+    r = subprocess.run([CRABD, "exec", *sock, sid, "--", "cat", "/f"], capture_output=True, text=True)
+    assert r.returncode == 1 and "No such file" in r.stderr
+    r = subprocess.run([CRABD, "sandbox", "rm", sid, *sock], capture_output=True, text=True)
+    assert r.returncode == 0
+    r = subprocess.run([CRABD, "sandbox", "inspect", sid, *sock], capture_output=True, text=True)
+    assert r.returncode == 1 and "no sandbox" in r.stderr
