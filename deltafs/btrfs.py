@@ -183,6 +183,7 @@ class BtrfsSnapshotter(Snapshotter):
 
     def close(self) -> None:
         with self._lock:
+            self._reaper.drain()  # it destroys subvolumes through _snap_fd
             if self._snap_fd >= 0:
                 os.close(self._snap_fd)
                 self._snap_fd = -1
@@ -234,7 +235,7 @@ class BtrfsSnapshotter(Snapshotter):
             return [Mount(type="bind", source=self._path(row.parent), options=("bind", "ro"))]
         return [Mount(type="bind", source=self._path(row.id), options=("bind", "rw"))]
 
-    def _capture(self, active: Row, new: Row) -> tuple[dict[str, Any], dict[str, Any]]:
+    def _capture(self, active: Row, new: Row, consume: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
         self._make(new.id, self._path(active.id), readonly=True)
         return {}, active.extra
 
@@ -249,13 +250,23 @@ class BtrfsSnapshotter(Snapshotter):
         finally:
             os.close(fd)
 
+    def _sync_paths(self) -> list[str]:
+        return [self.state_dir, self.root] if self.root != self.state_dir else [self.state_dir]
+
     def _discard(self, row: Row) -> None:
         if row.kind == Kind.VIEW:
             return
+        # Rename out of the way (O(1)); destroying a subvolume with much data
+        # can wait for a transaction commit, so the reaper thread does it.
+        trash = f"trash.{row.id}"
         try:
-            snap_destroy(self._snap_fd, str(row.id))
+            os.rename(str(row.id), trash, src_dir_fd=self._snap_fd, dst_dir_fd=self._snap_fd)
         except OSError:
-            pass  # best-effort: gc() retries (e.g. still mounted somewhere: EBUSY)
+            return  # gc() retries
+        self._reaper.put(trash)
+
+    def _reap(self, item: object) -> None:
+        snap_destroy(self._snap_fd, str(item))
 
     def _gc_disk(self, rows: list[Row]) -> list[str]:
         known = {str(r.id) for r in rows if r.kind != Kind.VIEW}

@@ -21,6 +21,7 @@ Layout under the state dir::
     a/<id>/stage/     pre-copies made by prepare_checkpoint()
     tmp/<...>         being created; renamed into place inside the metadata tx
     v/<n>             short-lived read-only mounts used by diff/usage/tree
+    trash/            removed snapshots, deleted by a background thread and gc()
     empty/            the empty bottom layer (an overlay needs one lower dir)
 
 Paths inside mount options are absolute; with depth <= 16 they fit easily in
@@ -65,15 +66,16 @@ def _node(st: os.stat_result, opaque: bool = False, children: dict | None = None
     return [st.st_ino, st.st_ctime_ns, stat.S_IFMT(st.st_mode), opaque, children]
 
 
-def _join(rel: bytes, name: bytes) -> bytes:
-    return rel + b"/" + name if rel else name
+def _join(rel: str, name: str) -> str:
+    return rel + "/" + name if rel else name
 
 
-def plan_capture(prev: dict[bytes, Node] | None, cur: dict[bytes, Node], rel: bytes = b"",
-                 full: bool = False) -> list[tuple[str, bytes, bool]]:
+def plan_capture(prev: dict[str, Node] | None, cur: dict[str, Node], rel: str = "",
+                 full: bool = False) -> list[tuple[str, str, bool]]:
     """Actions that turn the layer chain as of manifest `prev` into the upper dir's state `cur`. Pure.
 
-    `prev`/`cur` are the children of one directory (name -> Node). Returns
+    `prev`/`cur` are the children of one directory (name -> Node; names are
+    str, non-UTF-8 bytes carried as surrogate escapes like os.fsdecode). Returns
     ("dir", path, opaque) / ("copy", path, False) / ("whiteout", path, False),
     parents before children. Rules:
 
@@ -86,7 +88,7 @@ def plan_capture(prev: dict[bytes, Node] | None, cur: dict[bytes, Node], rel: by
     * a dir with changed descendants is created (not opaque) to hold them;
     * a path in `prev` gone from `cur`: whiteout (an earlier layer has it).
     """
-    out: list[tuple[str, bytes, bool]] = []
+    out: list[tuple[str, str, bool]] = []
     prev = {} if prev is None or full else prev
     for name in sorted(cur):
         node = cur[name]
@@ -118,25 +120,41 @@ def plan_capture(prev: dict[bytes, Node] | None, cur: dict[bytes, Node], rel: by
     return out
 
 
-def _is_opaque(dir_fd: int, name: bytes) -> bool:
+def _is_opaque(dir_fd: int, name: str) -> bool:
     try:
-        return os.getxattr(b"/proc/self/fd/%d/%s" % (dir_fd, name), OPAQUE, follow_symlinks=False) == b"y"
+        return os.getxattr(f"/proc/self/fd/{dir_fd}/{name}", OPAQUE, follow_symlinks=False) == b"y"
     except OSError:
         return False
 
 
 def scan_manifest(root_fd: int) -> Node:
-    """Manifest of a whole upper dir (lstat only, plus the opaque flag of dirs)."""
+    """Manifest of a whole upper dir: lstat of every entry plus the opaque flag of dirs.
+
+    This walk is most of a frozen overlay capture (it is O(entries in the
+    upper dir), ~3 us each), so it is written for speed: unsorted scandir,
+    str names, the DirEntry's fstatat.
+    """
     root = _node(os.fstat(root_fd), False, {})
-    dirs: dict[bytes, Node] = {b"": root}
-    for path, pfd, name, st in walk_fd(root_fd):
-        parent = dirs[path[: path.rfind(b"/")] if b"/" in path else b""]
-        if stat.S_ISDIR(st.st_mode):
-            n = _node(st, _is_opaque(pfd, name), {})
-            dirs[path] = n
-        else:
-            n = _node(st)
-        parent[4][name] = n
+    stack: list[tuple[int, dict]] = [(os.dup(root_fd), root[4])]
+    try:
+        while stack:
+            fd, children = stack.pop()
+            try:
+                with os.scandir(fd) as it:
+                    for e in it:
+                        st = e.stat(follow_symlinks=False)
+                        fmt = stat.S_IFMT(st.st_mode)
+                        if fmt == stat.S_IFDIR:
+                            kids: dict = {}
+                            children[e.name] = [st.st_ino, st.st_ctime_ns, fmt, _is_opaque(fd, e.name), kids]
+                            stack.append((os.open(e.name, O_DIR, dir_fd=fd), kids))
+                        else:
+                            children[e.name] = [st.st_ino, st.st_ctime_ns, fmt, False, None]
+            finally:
+                os.close(fd)
+    finally:
+        for fd, _ in stack:
+            os.close(fd)
     return root
 
 
@@ -177,11 +195,17 @@ class OverlaySnapshotter(Snapshotter):
         if max_depth < 2:
             raise ValueError("max_depth must be >= 2")
         self.max_depth = max_depth
-        for d in ("l", "m", "a", "tmp", "v", "empty"):
+        for d in ("l", "m", "a", "tmp", "v", "trash", "empty"):
             os.makedirs(os.path.join(self.state_dir, d), mode=0o700, exist_ok=True)
-        self._staged: dict[int, dict[bytes, tuple[int, int, str]]] = {}
+        self._staged: dict[int, dict[str, tuple[int, int, str]]] = {}
+        # Last manifest per active id, so a checkpoint does not re-read it.
+        self._manifests: dict[int, tuple[int, Node]] = {}
         self._vseq = 0
         self._check_overlay()
+        with self._lock:  # finish commits a crash interrupted between metadata and rename
+            for r in self.meta.all():
+                if r.extra.get("pending_from"):
+                    self._roll_forward(r)
 
     def _check_overlay(self) -> None:
         with open("/proc/filesystems") as f:
@@ -230,18 +254,36 @@ class OverlaySnapshotter(Snapshotter):
         m = row.extra.get("manifest")
         if m is None:
             return None
-        with open(os.path.join(self._active_dir(row.id), f"manifest.{m}"), "rb") as f:
-            return marshal.load(f)
+        cached = self._manifests.get(row.id)
+        if cached is not None and cached[0] == m:
+            return cached[1]
+        try:
+            with open(os.path.join(self._active_dir(row.id), f"manifest.{m}"), "rb") as f:
+                node = marshal.load(f)
+        except (OSError, EOFError, ValueError):
+            return None  # lost in a crash: the caller captures the whole upper dir
+        self._manifests[row.id] = (m, node)
+        return node
 
-    def _capture(self, active: Row, new: Row) -> tuple[dict[str, Any], dict[str, Any]]:
+    def _capture(self, active: Row, new: Row, consume: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+        parent = self.meta.by_id(active.parent) if active.parent else None
+        chain = [f"l/{new.id}"] + self._chain(parent)
+        if consume and active.extra.get("manifest") is None:
+            # commit() of an active never checkpointed (an image import): its
+            # upper dir *is* the delta over its parent, in overlay's format.
+            # It is moved, not copied, after this transaction commits; the
+            # row records the move so open()/gc() can finish it after a crash.
+            return {"chain": chain, "pending_from": f"a/{active.id}/u"}, active.extra
         prev = self._load_manifest(active)
+        if prev is None:
+            # A full capture of the upper dir is the delta over the layers it
+            # is mounted on, whatever checkpoints were taken in between.
+            chain = [f"l/{new.id}"] + list(active.extra["lowers"])
         adir = self._active_dir(active.id)
         layer = self._abs(f"l/{new.id}")
         tmp = self._abs(f"tmp/l{new.id}")
         remove_tree(tmp)
         remove_tree(layer)
-        parent = self.meta.by_id(active.parent) if active.parent else None
-        chain = [f"l/{new.id}"] + self._chain(parent)
         os.mkdir(tmp, 0o755)
         ufd = os.open(os.path.join(adir, "u"), O_DIR)
         lfd = os.open(tmp, O_DIR)
@@ -250,37 +292,57 @@ class OverlaySnapshotter(Snapshotter):
             cur = scan_manifest(ufd)
             actions = plan_capture(prev[4] if prev else {}, cur[4] or {})
             self._apply(ufd, lfd, actions, staged, os.path.join(adir, "stage"))
-            os.fsync(lfd)
         finally:
             os.close(ufd)
             os.close(lfd)
         _failpoint("overlay-after-copy")
-        # The manifest is named after the new snapshot id: if this transaction
-        # does not commit, the active's extra still names the previous one.
-        mpath = os.path.join(adir, f"manifest.{new.id}")
-        with open(mpath + ".tmp", "wb") as f:
-            marshal.dump(cur, f)
-        os.rename(mpath + ".tmp", mpath)
         os.rename(tmp, layer)
         _failpoint("overlay-after-rename")
+        # The manifest is needed only by the next capture of this active,
+        # which normally finds it in memory; its file (named after the new
+        # snapshot, so a transaction that does not commit leaves the old one
+        # in force) is written by the reaper thread, outside the pause. A
+        # restart that finds no file falls back to a full capture.
+        self._manifests[active.id] = (new.id, cur)
+        self._reaper.put(("manifest", os.path.join(adir, f"manifest.{new.id}"), cur))
         extra = dict(active.extra)
         extra["manifest"] = new.id
         return {"chain": chain}, extra
 
-    def _apply(self, ufd: int, lfd: int, actions: list[tuple[str, bytes, bool]],
-               staged: dict[bytes, tuple[int, int, str]], stage_dir: str) -> Copier:
+    def _finish_commit(self, active: Row, new: Row) -> None:
+        self._roll_forward(new)
+        self._discard(active)
+
+    def _roll_forward(self, row: Row) -> None:
+        """Finish a commit that moves an upper dir into place as the layer (see _capture)."""
+        src = row.extra.get("pending_from")
+        if not src:
+            return
+        layer = self._abs(f"l/{row.id}")
+        if not os.path.exists(layer):
+            os.rename(self._abs(src), layer)
+        _failpoint("overlay-after-move")
+        extra = dict(row.extra)
+        del extra["pending_from"]
+        with self.meta.tx():
+            self.meta.update(row.id, extra=extra)
+        row.extra = extra
+
+    def _apply(self, ufd: int, lfd: int, actions: list[tuple[str, str, bool]],
+               staged: dict[str, tuple[int, int, str]], stage_dir: str) -> Copier:
         copier = Copier(lfd, _keep_xattr)
         copy_root_meta(ufd, lfd, _keep_xattr)
         src = _FdCache(ufd)
         dirs: list[tuple[bytes, os.stat_result]] = []
         try:
-            for act, path, opaque in actions:
+            for act, spath, opaque in actions:
+                path = os.fsencode(spath)
                 if act == "whiteout":
                     copier.whiteout(path)
                     continue
                 pfd, name = src.parent(path)
                 st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
-                s = staged.get(path)
+                s = staged.get(spath)
                 if act == "copy" and s and s[0] == st.st_ino and s[1] == st.st_ctime_ns and st.st_nlink == 1:
                     os.rename(os.path.join(stage_dir, s[2]), path, dst_dir_fd=lfd)
                     copier.entries += 1
@@ -306,16 +368,16 @@ class OverlaySnapshotter(Snapshotter):
         os.mkdir(stage, 0o700)
         ufd = os.open(os.path.join(adir, "u"), O_DIR)
         sfd = os.open(stage, O_DIR)
-        staged: dict[bytes, tuple[int, int, str]] = {}
+        staged: dict[str, tuple[int, int, str]] = {}
         try:
             cur = scan_manifest(ufd)
             copier = Copier(sfd, _keep_xattr)
             src = _FdCache(ufd)
             try:
-                for act, path, _ in plan_capture(prev[4] if prev else {}, cur[4] or {}):
+                for act, spath, _ in plan_capture(prev[4] if prev else {}, cur[4] or {}):
                     if act != "copy":
                         continue
-                    pfd, name = src.parent(path)
+                    pfd, name = src.parent(os.fsencode(spath))
                     try:
                         st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
                         if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
@@ -324,7 +386,7 @@ class OverlaySnapshotter(Snapshotter):
                         copier.copy(pfd, name, st, sname.encode())
                     except OSError:
                         continue  # changed under us: the capture copies it
-                    staged[path] = (st.st_ino, st.st_ctime_ns, sname)
+                    staged[spath] = (st.st_ino, st.st_ctime_ns, sname)
             finally:
                 src.close()
         finally:
@@ -333,16 +395,35 @@ class OverlaySnapshotter(Snapshotter):
         self._staged[row.id] = staged
 
     def _discard(self, row: Row) -> None:
+        # Move into the trash (O(1)); the reaper thread deletes it.
+        if row.kind == Kind.COMMITTED:
+            src = self._abs(f"l/{row.id}")
+        elif row.kind == Kind.ACTIVE:
+            self._staged.pop(row.id, None)
+            self._manifests.pop(row.id, None)
+            src = self._active_dir(row.id)
+        else:
+            return
+        dst = self._abs(f"trash/{row.kind[0]}{row.id}")
         try:
-            if row.kind == Kind.COMMITTED:
-                remove_tree(self._abs(f"l/{row.id}"))
-            elif row.kind == Kind.ACTIVE:
-                self._staged.pop(row.id, None)
-                remove_tree(self._active_dir(row.id))
+            os.rename(src, dst)
         except OSError:
-            pass  # best-effort; gc() retries
+            return  # gone already, or gc() retries
+        self._reaper.put(dst)
+
+    def _reap(self, item: object) -> None:
+        if isinstance(item, tuple):  # ("manifest", path, node): see _capture
+            _, path, node = item
+            with open(path + ".tmp", "wb") as f:
+                marshal.dump(node, f)
+            os.rename(path + ".tmp", path)
+            return
+        remove_tree(str(item))
 
     def _gc_disk(self, rows: list[Row]) -> list[str]:
+        for r in rows:
+            if r.extra.get("pending_from"):
+                self._roll_forward(r)
         removed: list[str] = []
         committed = {str(r.id) for r in rows if r.kind == Kind.COMMITTED}
         active = {str(r.id): r for r in rows if r.kind == Kind.ACTIVE}
@@ -358,8 +439,9 @@ class OverlaySnapshotter(Snapshotter):
             except OSError:
                 pass
 
-        for name in os.listdir(self._abs("tmp")):
-            rm(self._abs(f"tmp/{name}"))
+        for d in ("tmp", "trash"):
+            for name in os.listdir(self._abs(d)):
+                rm(self._abs(f"{d}/{name}"))
         for name in os.listdir(self._abs("v")):
             unmount(self._abs(f"v/{name}"), detach=True)
             rm(self._abs(f"v/{name}"))

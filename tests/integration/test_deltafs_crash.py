@@ -129,7 +129,8 @@ FAILPOINTS = {
     "btrfs": ["btrfs-after-snapshot@4", "btrfs-after-rename@4", "checkpoint-before-commit@3",
               "checkpoint-after-commit@3", "commit-before-commit@2", "prepare-before-commit@3"],
     "overlay": ["overlay-after-copy@3", "overlay-after-rename@3", "checkpoint-before-commit@3",
-                "checkpoint-after-commit@3", "commit-before-commit@2", "prepare-before-commit@3"],
+                "checkpoint-after-commit@3", "commit-before-commit@2", "prepare-before-commit@3",
+                "overlay-after-move@2"],
 }
 CASES = [(d, fp) for d in FAILPOINTS for fp in FAILPOINTS[d]] + [(d, None) for d in FAILPOINTS]
 
@@ -141,7 +142,8 @@ def test_killed_commit_leaves_complete_or_nothing(driver, failpoint):
     os.makedirs(mnt)
     m = Mounter(base)
     point = (failpoint or "").partition("@")[0]
-    mode = {"commit-before-commit": "commit", "prepare-before-commit": "prepare"}.get(point, "checkpoint")
+    mode = {"commit-before-commit": "commit", "overlay-after-move": "commit",
+            "prepare-before-commit": "prepare"}.get(point, "checkpoint")
     rounds = 1 if failpoint else 4
     rng = random.Random(1234)
     s = None
