@@ -90,10 +90,14 @@ def plan_capture(prev: dict[str, Node] | None, cur: dict[str, Node], rel: str = 
     """
     out: list[tuple[str, str, bool]] = []
     prev = {} if prev is None or full else prev
+    if prev == cur:  # deep comparison in C: the common case of an untouched subtree is cheap
+        return out
     for name in sorted(cur):
         node = cur[name]
-        p = _join(rel, name)
         old = prev.get(name)
+        if old == node:
+            continue
+        p = _join(rel, name)
         is_dir = node[2] == stat.S_IFDIR
         if old is None:
             if is_dir:

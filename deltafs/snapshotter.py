@@ -323,6 +323,20 @@ class Snapshotter(abc.ABC):
                 _failpoint("commit-before-commit")
             self._finish_commit(row, new)
 
+    def compact(self, name: str | None = None) -> int:
+        """Bound the layer depth of committed snapshots (all, or `name`); returns merges done.
+
+        For crabd's scheduler to run at idle time. Drivers without layers
+        (btrfs) have nothing to do.
+        """
+        return 0
+
+    def depth(self, name: str) -> int:
+        """How many layers a mount of snapshot `name` stacks (1 for btrfs)."""
+        with self._lock:
+            self.meta.get(name)
+        return 1
+
     def stat(self, key: str) -> Info:
         with self._lock:
             return self._info(self.meta.get(key))

@@ -165,7 +165,9 @@ def store(request):
     if os.geteuid() != 0:
         pytest.fail("deltafs property tests need root (mount, mknod, chown): run them as root")
     base = tempfile.mkdtemp(prefix=f"deltafs-prop-{request.param}-", dir="/var/tmp")
-    opts = {"pool_size": 4 << 30} if request.param == "btrfs" else {}
+    # overlay with max_depth=3: prepares of deeper checkpoints compact their
+    # chain first, so merged layers are exercised by every rollback below.
+    opts = {"pool_size": 4 << 30} if request.param == "btrfs" else {"max_depth": 3}
     try:
         s = deltafs.open(os.path.join(base, "state"), driver=request.param, **opts)
     except deltafs.FailedPrecondition as e:
