@@ -126,10 +126,15 @@ def checkpoint_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, check
     work = store.tmpdir("dump-")
     img, logs = work / "image", work / "work"
     runc = _runc(rt)
+    init_pid = sb.pid
+
+    def dump() -> float:
+        _check_tree(sb, freezer.dir / "cgroup.procs", init_pid)
+        return runc.checkpoint(sb.id, img, logs, opts)
+
     try:
         try:
-            cap = capture_consistent(freezer.freeze, (lambda: None) if was_frozen else freezer.thaw,
-                                     lambda: runc.checkpoint(sb.id, img, logs, opts), fs_commit)
+            cap = capture_consistent(freezer.freeze, (lambda: None) if was_frozen else freezer.thaw, dump, fs_commit)
         except CriuFailed as e:
             kept = store.log_dir(checkpoint_id)
             kept.mkdir(parents=True, exist_ok=True)
@@ -145,6 +150,38 @@ def checkpoint_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, check
         shutil.rmtree(work, ignore_errors=True)
     return ProcessCheckpoint(checkpoint_id, sb.id, m.raw_bytes, cap.pause_seconds * 1e3, cap.fs_seconds * 1e3,
                              cap.dump_seconds * 1e3, store_s * 1e3, cap.fs_result, m.digest)
+
+
+def _ppid_comm(pid: int) -> tuple[int, str]:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        data = f.read()
+    comm = data[data.index(b"(") + 1:data.rindex(b")")].decode(errors="replace")
+    return int(data[data.rindex(b")") + 2:].split()[1]), comm
+
+
+def _check_tree(sb: Sandbox, procs_file: Path, init_pid: int | None) -> None:
+    """CRIU dumps the tree of the sandbox's init. A command still running
+    through `runc exec` is not in it (its parent was runc, outside the
+    sandbox), and would silently be missing from the image: refuse."""
+    if init_pid is None:
+        raise SandboxNotRunning(f"sandbox {sb.id} has no init")
+    outside = []
+    for pid in (int(x) for x in procs_file.read_text().split()):
+        p, comm, hops = pid, "", 0
+        try:
+            _, comm = _ppid_comm(pid)
+            while p not in (init_pid, 0, 1) and hops < 4096:
+                p, _ = _ppid_comm(p)
+                hops += 1
+        except (FileNotFoundError, ProcessLookupError, ValueError):
+            continue  # gone meanwhile
+        if p != init_pid and pid != init_pid:
+            outside.append(f"{pid} ({comm})")
+    if outside:
+        raise FailedPrecondition(
+            f"sandbox {sb.id} has processes outside its init's tree: {', '.join(outside[:8])}; "
+            "they belong to a command still running through exec, and CRIU would not dump them",
+            fix="checkpoint when no exec is in progress (at the turn boundary)")
 
 
 def _restore_opts(store: ImageStore, checkpoint_id: str) -> RestoreOptions:
@@ -367,6 +404,14 @@ def _after_promotion(rt: Runtime, sb: Sandbox, st: Standby, src_rel: str, paths:
     shutil.rmtree(st.runc_root, ignore_errors=True)
     if not is_mountpoint(str(st.bundle / "rootfs")):
         shutil.rmtree(st.dir, ignore_errors=True)
+    _rmdir_if_empty(st.dir.parent)
+
+
+def _rmdir_if_empty(d: Path) -> None:
+    try:
+        d.rmdir()
+    except OSError:
+        pass
 
 
 def discard_standby(rt: Runtime, st: Standby) -> None:
@@ -390,6 +435,7 @@ def _discard_dir(rt: Runtime, st: Standby) -> None:
     if is_mountpoint(rootfs):
         raise FailedPrecondition(f"root of standby {st.dir} is still mounted", fix=f"umount {rootfs}")
     shutil.rmtree(st.dir, ignore_errors=True)
+    _rmdir_if_empty(st.dir.parent)
 
 
 # --- stopgap for the runtime ------------------------------------------------------------------------
