@@ -19,8 +19,8 @@ for 0, 1, 100, 10000 changed files and 1 MiB / 256 MiB changed in one file:
   overlay: pre-copy) + pause + sync();
 * bytes_per_commit: Snapshotter.usage() of the new checkpoint;
 
-then rollback (unmount, remove the active, prepare from a checkpoint, mount
-on the same path), fork (prepare + mount on a new path), and the layer depth
+then rollback (unmount in the background, remove the active, prepare from
+a checkpoint, mount on the same path), fork (prepare + mount on a new path), and the layer depth
 after 200 checkpoints of a fresh fork with compact() run after each thaw
 (btrfs has no layers: depth 1). --quick cuts repetitions, never keys.
 """
@@ -182,8 +182,8 @@ def bench_driver(driver: str, quick: bool, image_dir: str | None, base: str, log
         targets.append(t)
         return t
 
-    def unmount(t: str) -> None:
-        deltafs.unmount(t)
+    def unmount(t: str, background: bool = False) -> None:
+        deltafs.unmount(t, background=background)
         targets.remove(t)
 
     freezer = Freezer(f"deltafs-bench-{os.getpid()}-{driver}", os.path.join(base, driver))
@@ -203,7 +203,7 @@ def bench_driver(driver: str, quick: bool, image_dir: str | None, base: str, log
         out: dict = {"commit_ms": {}, "commit_total_ms": {}, "bytes_per_commit": {}}
         last = None
         for cls in CLASSES:
-            reps = {"10000": 2, "256MiB": 2}.get(cls, 5) if quick else {"10000": 5, "256MiB": 5}.get(cls, 30)
+            reps = {"10000": 2, "256MiB": 2}.get(cls, 5) if quick else {"10000": 10, "256MiB": 10}.get(cls, 100)
             pauses, totals = [], []
             for rep in range(reps):
                 change(root, cls, rep)
@@ -225,11 +225,11 @@ def bench_driver(driver: str, quick: bool, image_dir: str | None, base: str, log
                 f"total p50 {pct(totals, 50):8.2f} ms; {out['bytes_per_commit'][cls]} B")
 
         # Rollback: the runtime stops the container, then swaps the sandbox root.
-        reps = 10 if quick else 50
+        reps = 10 if quick else 100
         rb = []
         for i in range(reps):
             t = time.perf_counter()
-            unmount(root)
+            unmount(root, background=True)  # as the runtime should: see deltafs.unmount
             s.remove("sb")
             mount(s.prepare("sb", parent=last), root)
             rb.append((time.perf_counter() - t) * 1e3)

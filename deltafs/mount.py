@@ -12,6 +12,7 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import threading
 from dataclasses import dataclass, field
 
 __all__ = ["Mount", "mount_all", "unmount", "is_mountpoint", "MountError"]
@@ -100,13 +101,34 @@ def mount_all(mounts: list[Mount], target: str) -> None:
         _mount_one(m, target)
 
 
-def unmount(target: str, detach: bool = False) -> None:
-    """Unmount `target`; a target that is not mounted is not an error."""
+def unmount(target: str, detach: bool = False, background: bool = False) -> None:
+    """Unmount `target`; a target that is not mounted is not an error.
+
+    background=True (implies detach) returns as soon as `target` is free to
+    mount on again and leaves the teardown of the old mount to a thread. The
+    teardown is not free: an overlay syncs its upper file system and evicts
+    every inode it cached (measured here: 57-79 ms after a 15k-entry,
+    256 MiB sandbox, seconds when the fs is busy). The kernel runs it when
+    the last reference is dropped, in the task that drops it, so we hold an
+    O_PATH reference across the detach and drop it in a daemon thread.
+    Rollback uses this: the sandbox root is free for the new mount at once.
+    """
+    ref = -1
+    if background:
+        detach = True
+        try:
+            ref = os.open(target, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            ref = -1
     if _libc.umount2(target.encode(), MNT_DETACH if detach else 0) != 0:
         e = ctypes.get_errno()
+        if ref >= 0:
+            os.close(ref)
         if e in (errno.EINVAL, errno.ENOENT):
             return
         raise MountError(e, f"umount {target}: {os.strerror(e)}")
+    if ref >= 0:
+        threading.Thread(target=os.close, args=(ref,), name="deltafs-unmount", daemon=True).start()
 
 
 def is_mountpoint(path: str) -> bool:
