@@ -24,7 +24,7 @@ from .compat import host_criu, needs_sockopt_shim
 from .capture import Capture, capture_consistent
 from .errors import (AlreadyExists, CommandFailed, CriuFailed, CriuUnavailable, DeltacrError, FailedPrecondition,
                      ImageCorrupted, InvalidArgument, NotFound)
-from .options import CgroupsMode, DumpOptions, RestoreOptions, checkpoint_argv, required_features, restore_argv
+from .options import CgroupsMode, DumpOptions, NetworkLock, config_lines, RestoreOptions, checkpoint_argv, required_features, restore_argv
 from .runc import CommandRunner, CriuInfo, Result, Runc, SubprocessCommandRunner, check_criu, criu_errors
 from .standby import Admission, StandbyPolicy, StandbyRecord
 from .store import CHUNK_SIZE, FileEntry, ImageStore, Manifest, StoreStats, chunk_spans, parse_pagemap
@@ -33,7 +33,7 @@ __all__ = [
     "Capture", "capture_consistent", "host_criu", "needs_sockopt_shim",
     "DeltacrError", "NotFound", "AlreadyExists", "InvalidArgument", "FailedPrecondition", "CriuUnavailable",
     "CriuFailed", "ImageCorrupted", "CommandFailed",
-    "CgroupsMode", "DumpOptions", "RestoreOptions", "checkpoint_argv", "restore_argv", "required_features",
+    "CgroupsMode", "NetworkLock", "config_lines", "DumpOptions", "RestoreOptions", "checkpoint_argv", "restore_argv", "required_features",
     "CommandRunner", "Result", "SubprocessCommandRunner", "CriuInfo", "check_criu", "criu_errors", "Runc",
     "StandbyPolicy", "StandbyRecord", "Admission",
     "ImageStore", "Manifest", "FileEntry", "StoreStats", "chunk_spans", "parse_pagemap", "CHUNK_SIZE",

@@ -26,7 +26,7 @@ from typing import Iterable, Protocol, Sequence
 
 from .errors import CommandFailed, CriuFailed, CriuUnavailable
 from .netns import loopback_up
-from .options import DumpOptions, RestoreOptions, checkpoint_argv, required_features, restore_argv
+from .options import DumpOptions, RestoreOptions, checkpoint_argv, config_lines, required_features, restore_argv
 
 __all__ = ["Result", "CommandRunner", "SubprocessCommandRunner", "CriuInfo", "check_criu", "criu_errors",
            "Runc", "MIN_CRIU_VERSION"]
@@ -46,7 +46,7 @@ class Result:
 
 
 class CommandRunner(Protocol):
-    def run(self, argv: list[str], *, timeout: float) -> Result: ...
+    def run(self, argv: list[str], *, timeout: float, env: dict[str, str] | None = None) -> Result: ...
 
 
 class SubprocessCommandRunner:
@@ -55,10 +55,12 @@ class SubprocessCommandRunner:
 
     MAX_OUTPUT = 1 << 20
 
-    def run(self, argv: list[str], *, timeout: float) -> Result:
+    def run(self, argv: list[str], *, timeout: float, env: dict[str, str] | None = None) -> Result:
+        """`env`: variables added to this process's environment."""
         start = time.monotonic()
         try:
-            p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 env={**os.environ, **env} if env else None)
         except FileNotFoundError as e:
             raise CommandFailed(argv, 127, str(e), context=f"running {argv[0]}") from e
         assert p.stdout is not None
@@ -202,7 +204,7 @@ class Runc:
         os.makedirs(image_dir, exist_ok=True)
         os.makedirs(work_dir, exist_ok=True)
         argv = checkpoint_argv(self.runc, self.root, container_id, str(image_dir), str(work_dir), opts, self.criu)
-        res = self.runner.run(argv, timeout=opts.timeout)
+        res = self.runner.run(argv, timeout=opts.timeout, env=_criu_env(work_dir, opts))
         if res.returncode != 0:
             self._fail(f"dump of container {container_id}", res, Path(work_dir) / "dump.log")
         return res.duration
@@ -218,7 +220,7 @@ class Runc:
         pid_file.unlink(missing_ok=True)
         argv = restore_argv(self.runc, self.root, container_id, str(bundle), str(image_dir), str(work_dir),
                             str(pid_file), opts, self.criu)
-        res = self.runner.run(argv, timeout=opts.timeout)
+        res = self.runner.run(argv, timeout=opts.timeout, env=_criu_env(work_dir, opts))
         if res.returncode != 0:
             self._fail(f"restore of container {container_id}", res, Path(work_dir) / "restore.log")
         try:
@@ -231,8 +233,13 @@ class Runc:
         return pid
 
     def delete(self, container_id: str, *, force: bool = True) -> None:
+        """Forget `container_id` (with `force`, kill its tasks first). A
+        container that does not exist is not an error."""
         argv = [self.runc, "--root", self.root, "delete"] + (["--force"] if force else []) + [container_id]
-        self.runner.run(argv, timeout=30)
+        res = self.runner.run(argv, timeout=30)
+        if res.returncode != 0 and os.path.exists(os.path.join(self.root, container_id)):
+            raise CommandFailed(argv, -9 if res.returncode is None else res.returncode,
+                                res.output.decode(errors="replace"), context=f"runc delete of {container_id}")
 
     def _fail(self, what: str, res: Result, log: Path) -> None:
         output = res.output.decode(errors="replace")
@@ -242,6 +249,19 @@ class Runc:
         if not errors and not log.exists():
             raise CommandFailed(res.argv, -9 if res.returncode is None else res.returncode, output, context=what)
         raise CriuFailed(what, errors=errors, context=context, log_path=str(log), output=output)
+
+
+def _criu_env(work_dir: str | os.PathLike[str], opts: DumpOptions | RestoreOptions) -> dict[str, str] | None:
+    """CRIU settings runc has no flag for, as a config file named by
+    CRIU_CONFIG_FILE (runc passes its environment on to CRIU; CRIU reads
+    that file as well as the RPC config file runc names, which keeps e.g. a
+    standby bundle's `leave-stopped`)."""
+    lines = config_lines(opts)
+    if not lines:
+        return None
+    path = Path(work_dir) / "deltacr-criu.conf"
+    path.write_text("".join(f"{ln}\n" for ln in lines))
+    return {"CRIU_CONFIG_FILE": str(path)}
 
 
 def unsupported_hint(errors: Sequence[str]) -> str | None:

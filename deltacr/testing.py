@@ -36,8 +36,11 @@ class FakeCommandRunner:
         `restore.pid`, next to it."""
         self.rules.insert(0, _Rule(words, returncode, output, dict(writes or {})))
 
-    def run(self, argv: list[str], *, timeout: float) -> Result:
+    envs: list[dict[str, str] | None] = field(default_factory=list)
+
+    def run(self, argv: list[str], *, timeout: float, env: dict[str, str] | None = None) -> Result:
         self.calls.append(list(argv))
+        self.envs.append(dict(env) if env else None)
         for r in self.rules:
             if all(w in argv for w in r.words):
                 if r.writes and "--work-path" in argv:

@@ -73,7 +73,8 @@ class Standby:
     memory_bytes: int
     created: float
     prepare_ms: float = 0.0
-    promote_ms: float | None = field(default=None)
+    promote_ms: float | None = field(default=None)  # until its processes run
+    swap_ms: float | None = field(default=None)     # ... and sit in the sandbox's cgroups
 
     @property
     def bundle(self) -> Path:
@@ -218,15 +219,21 @@ def restore_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, checkpoi
     sb = rt.get(sandbox_ref)
     ropts = opts or _restore_opts(store, checkpoint_id)
     image = store.tmpdir("image-")
+    runc = _runc(rt)
     try:
         store.get(checkpoint_id, image)          # verifies everything first
-        rt.stop(sb.id)                           # kill + runc delete; the root stays mounted
+        # Stop: `runc delete --force` kills every task of the container
+        # (thawing it if frozen) and forgets it in one runc call; the root
+        # stays mounted. (Runtime.stop polls runc state: ~40 ms more.)
+        if sb.status != "absent":
+            runc.delete(sb.id, force=True)
         if not is_mountpoint(str(sb.rootfs)):
             mount_all(sb.root, str(sb.rootfs))
-        _restore_into(rt, store, checkpoint_id, sb.id, sb.bundle, _runc(rt), ropts, image)
+        pid = _restore_into(rt, store, checkpoint_id, sb.id, sb.bundle, runc, ropts, image)
     finally:
         shutil.rmtree(image, ignore_errors=True)
-    return rt.get(sb.id)
+    sb.status, sb.pid = "running", pid
+    return sb
 
 
 def rollback_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, checkpoint_id: str | None) -> Sandbox:
@@ -301,10 +308,14 @@ def _cgroup_paths(state: dict[str, Any]) -> dict[str, str]:
 def promote_standby(rt: Runtime, st: Standby) -> Sandbox:
     """Make the standby the sandbox: its processes replace the sandbox's.
 
-    Critical path (what `promote_ms` measures): kill the sandbox's init,
-    move the standby's tasks into the sandbox's cgroups, install its runc
-    state, SIGCONT every task. The rest (reaping the old tasks, the root
-    mount, removing the standby's dir) happens after."""
+    Critical path: kill the sandbox's init (its pid namespace dies with
+    it), install the standby's runc state as the sandbox's, SIGCONT every
+    standby task -- `st.promote_ms` is the time until the checkpoint's
+    processes run again. Then their tasks move into the sandbox's cgroups
+    (`st.swap_ms` includes that: the first cgroup migration waits for an
+    RCU grace period, ~5-10 ms here, unless the cgroup hierarchy is mounted
+    with `favordynmods`). Reaping the old tasks, the root mount and removing
+    the standby's dir happen after both clocks stop."""
     sb = rt.get(st.sandbox_id)  # before the clock: a runc spawn, not part of the swap
     t0 = time.monotonic()
     old_state_path = rt.runc_root / sb.id / "state.json"
@@ -313,14 +324,10 @@ def promote_standby(rt: Runtime, st: Standby) -> Sandbox:
         new_state = json.loads(new_state_path.read_text())
     except FileNotFoundError:
         raise NotFound(f"standby {st.token} of sandbox {sb.id} has no runc state (discarded?)") from None
-    # 1. End the sandbox's current processes (killing its pid-namespace init
-    #    kills the namespace); frozen tasks only die once thawed.
-    old_pid = None
-    try:
-        old_pid = json.loads(old_state_path.read_text()).get("init_process_pid")
-    except (FileNotFoundError, ValueError):
-        pass
-    if old_pid:
+    src_rel, dst_rel = st.cgroup_rel, sb.cgroup_rel
+    paths = _cgroup_paths(new_state)
+    # 1. End the sandbox's current processes; frozen tasks only die once thawed.
+    if sb.pid:
         fz = Freezer(rt.layout, sb.cgroup_rel)
         try:
             if fz.state() == "FROZEN":
@@ -328,29 +335,10 @@ def promote_standby(rt: Runtime, st: Standby) -> Sandbox:
         except (FailedPrecondition, FileNotFoundError):
             pass
         try:
-            os.kill(int(old_pid), signal.SIGKILL)
+            os.kill(sb.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    # 2. Move the standby's tasks into the sandbox's cgroups, hierarchy by hierarchy.
-    src_rel, dst_rel = st.cgroup_rel, sb.cgroup_rel
-    paths = _cgroup_paths(new_state)
-    moved: list[int] = []
-    for _, p in sorted(paths.items()):
-        src = Path(p)
-        dst = Path(p.replace(src_rel, dst_rel))
-        if not dst.is_dir():
-            dst.mkdir(parents=True, exist_ok=True)
-            _copy_limits(src, dst)
-        pids = [int(x) for x in (src / "cgroup.procs").read_text().split()]
-        for pid in pids:
-            try:
-                with open(dst / "cgroup.procs", "w") as f:
-                    f.write(str(pid))
-            except ProcessLookupError:
-                pass
-        if not moved:
-            moved = pids
-    # 3. The standby's runc state becomes the sandbox's.
+    # 2. The standby's runc state becomes the sandbox's (its cgroups, its bundle).
     text = json.dumps(new_state).replace(src_rel, dst_rel).replace(str(st.bundle), str(sb.bundle))
     state = json.loads(text)
     labels = state.get("config", {}).get("labels") or []
@@ -359,15 +347,33 @@ def promote_standby(rt: Runtime, st: Standby) -> Sandbox:
     tmp = old_state_path.with_suffix(".promote")
     tmp.write_text(json.dumps(state))
     os.replace(tmp, old_state_path)
-    # 4. Run.
+    # 3. Run.
+    src_procs = Path(paths.get("freezer") or next(iter(paths.values()))) / "cgroup.procs"
+    moved = [int(x) for x in src_procs.read_text().split()]
     for pid in moved:
         try:
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
             pass
     st.promote_ms = (time.monotonic() - t0) * 1e3
+    # 4. Into the sandbox's cgroups, hierarchy by hierarchy (same limits
+    #    on both sides meanwhile: the standby's config is the sandbox's).
+    for _, p in sorted(paths.items()):
+        src = Path(p)
+        dst = Path(p.replace(src_rel, dst_rel))
+        if not dst.is_dir():
+            dst.mkdir(parents=True, exist_ok=True)
+            _copy_limits(src, dst)
+        for pid in (int(x) for x in (src / "cgroup.procs").read_text().split()):
+            try:
+                with open(dst / "cgroup.procs", "w") as f:
+                    f.write(str(pid))
+            except ProcessLookupError:
+                pass
+    st.swap_ms = (time.monotonic() - t0) * 1e3
     _after_promotion(rt, sb, st, src_rel, paths)
-    return rt.get(sb.id)
+    sb.status, sb.pid = "running", st.pid
+    return sb
 
 
 def _copy_limits(src: Path, dst: Path) -> None:
