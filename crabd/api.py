@@ -79,9 +79,23 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-def make_app(daemon: Daemon) -> FastAPI:
+def make_app(daemon: Daemon, *, token: str | None = None) -> FastAPI:
+    """The API. With `token`, requests that arrive over TCP must carry
+    `Authorization: Bearer <token>`; the unix socket is guarded by its mode."""
     app = FastAPI(title="crabd", version="1", description="Recoverable sandboxes for AI agents.",
                   responses=_ERRORS)
+
+    @app.middleware("http")
+    async def bearer_on_tcp(request: Request, call_next: Any) -> Response:
+        server = request.scope.get("server")
+        over_tcp = isinstance(server, (tuple, list)) and len(server) == 2 and isinstance(server[1], int)
+        if over_tcp:
+            import hmac
+            got = request.headers.get("authorization", "")
+            if token is None or not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
+                return _err(401, "unauthenticated", "missing or wrong bearer token",
+                            "send Authorization: Bearer <the token in crabd's token_file>")
+        return await call_next(request)
 
     @app.middleware("http")
     async def limit_body(request: Request, call_next: Any) -> Response:

@@ -107,7 +107,9 @@ def serve(config_file: Optional[Path] = typer.Option(None, "--config", help="TOM
           state_dir: Optional[Path] = StateDir,
           socket: Optional[Path] = typer.Option(None, "--socket", envvar="CRABD_SOCKET", help="API unix socket [default: /run/crabd/crabd.sock]"),
           no_auto_rollback: bool = typer.Option(False, "--no-auto-rollback", help="do not roll back sandboxes that die"),
-          no_scheduler: bool = typer.Option(False, "--no-scheduler", help="start every checkpoint at once (benchmark baseline)")) -> None:
+          no_scheduler: bool = typer.Option(False, "--no-scheduler", help="start every checkpoint at once (benchmark baseline)"),
+          tcp: Optional[str] = typer.Option(None, "--tcp", help="also serve HOST:PORT over TCP (needs --token-file)"),
+          token_file: Optional[Path] = typer.Option(None, "--token-file", help="bearer token for the TCP listener")) -> None:
     """Run the crabd daemon (root): REST API on a unix socket."""
     import asyncio
     import logging
@@ -119,6 +121,7 @@ def serve(config_file: Optional[Path] = typer.Option(None, "--config", help="TOM
         s = load_settings(path, missing_ok=config_file is None)
         return s.with_overrides(state_dir=state_dir, socket=socket,
                                 auto_rollback=False if no_auto_rollback else None,
+                                tcp_listen=tcp, token_file=token_file.resolve() if token_file else None,
                                 scheduler={"enabled": False} if no_scheduler else None)
     settings = _guard(build, False)
     try:

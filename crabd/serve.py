@@ -69,7 +69,23 @@ async def serve(settings: Settings) -> None:
     daemon = Daemon(settings.state_dir, options=opts)
     await daemon.start()
     sock = bind_unix_socket(settings.socket)
-    app = make_app(daemon)
+    sockets = [sock]
+    token = None
+    if settings.tcp_host_port is not None:
+        assert settings.token_file is not None  # Settings enforces it
+        try:
+            token = settings.token_file.read_text().strip()
+        except OSError as e:
+            raise FailedPrecondition(f"cannot read token_file {settings.token_file}: {e}") from e
+        if len(token) < 16:
+            raise FailedPrecondition(f"the token in {settings.token_file} is shorter than 16 characters",
+                                     fix="put a long random token there: head -c 32 /dev/urandom | base64")
+        host, port = settings.tcp_host_port
+        tcp = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                   reuse_port=False)
+        tcp.setblocking(False)
+        sockets.append(tcp)
+    app = make_app(daemon, token=token)
     config = uvicorn.Config(app, log_level=os.environ.get("CRABD_LOG_LEVEL", "warning"), lifespan="off",
                             timeout_keep_alive=30)
     server = uvicorn.Server(config)
@@ -86,7 +102,7 @@ async def serve(settings: Settings) -> None:
 
     ann = asyncio.create_task(announce())
     try:
-        await server.serve(sockets=[sock])
+        await server.serve(sockets=sockets)
     finally:
         sdnotify.stopping("shutting down")
         for t in (deaths, ann):

@@ -272,3 +272,36 @@ def test_socket_metrics_openapi_and_cli(crabd):
     assert r.returncode == 0
     r = subprocess.run([CRABD, "sandbox", "inspect", sid, *sock], capture_output=True, text=True)
     assert r.returncode == 1 and "no sandbox" in r.stderr
+
+
+def test_tcp_listener_needs_the_bearer_token(tmp_path):
+    import socket as so
+    token = tmp_path / "token"
+    token.write_text("s3cret-token-0123456789abcdef\n")
+    with so.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    state = Path(tempfile.mkdtemp(prefix="crabd-tcp-", dir="/var/tmp"))
+    proc = subprocess.Popen([CRABD, "serve", "--state-dir", str(state), "--socket", str(state / "s.sock"),
+                             "--tcp", f"127.0.0.1:{port}", "--token-file", str(token)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/v1/health", timeout=2)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and proc.poll() is None, "daemon with --tcp did not come up"
+                time.sleep(0.2)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "unauthenticated"
+        r = httpx.get(f"http://127.0.0.1:{port}/v1/health", headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401
+        r = httpx.get(f"http://127.0.0.1:{port}/v1/health",
+                      headers={"Authorization": "Bearer s3cret-token-0123456789abcdef"})
+        assert r.status_code == 200 and r.json()["ok"] is True
+        assert Client(state / "s.sock").health()["ok"]  # the unix socket needs no token
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        cleanup_state_dir(state)
