@@ -7,7 +7,7 @@ symlinks pointing outside it, so the test itself must not follow them either:
 every path is checked to have no symlink among its parents, and the final
 component is never followed (O_NOFOLLOW, follow_symlinks=False).
 
-DELTAFS_PROPERTY_EXAMPLES (default 40) sets hypothesis examples per driver.
+DELTAFS_PROPERTY_EXAMPLES (default 100) sets hypothesis examples per driver.
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def store(request):
 _counter = [0]
 
 
-@settings(max_examples=int(os.environ.get("DELTAFS_PROPERTY_EXAMPLES", "40")), deadline=None,
+@settings(max_examples=int(os.environ.get("DELTAFS_PROPERTY_EXAMPLES", "100")), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                  HealthCheck.data_too_large])
 @given(turns=st.lists(st.lists(op, min_size=1, max_size=10), min_size=2, max_size=5))
