@@ -222,9 +222,7 @@ def restore_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, checkpoi
     runc = _runc(rt)
     try:
         store.get(checkpoint_id, image)          # verifies everything first
-        # Stop: `runc delete --force` kills every task of the container
-        # (thawing it if frozen) and forgets it in one runc call; the root
-        # stays mounted. (Runtime.stop polls runc state: ~40 ms more.)
+        _kill_init(rt, sb)
         if sb.status != "absent":
             runc.delete(sb.id, force=True)
         if not is_mountpoint(str(sb.rootfs)):
@@ -234,6 +232,41 @@ def restore_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, checkpoi
         shutil.rmtree(image, ignore_errors=True)
     sb.status, sb.pid = "running", pid
     return sb
+
+
+def _kill_init(rt: Runtime, sb: Sandbox, timeout: float = 10.0) -> None:
+    """SIGKILL the sandbox's init and wait until it is dead: the kernel
+    kills the rest of its pid namespace. Faster than `runc delete --force`
+    (~100 ms here: it freezes, signals and waits on every task) or
+    Runtime.stop (polls `runc state`); the root stays mounted."""
+    if not sb.pid:
+        return
+    fz = Freezer(rt.layout, sb.cgroup_rel)
+    try:
+        if fz.state() == "FROZEN":
+            fz.thaw()  # SIGKILL reaches frozen tasks only once thawed
+    except (FailedPrecondition, OSError):
+        pass
+    try:
+        os.kill(sb.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            # The init is often ours: runc create's child, re-parented to
+            # the runtime (a subreaper). Reap it, or it lingers as a zombie.
+            done, _ = os.waitpid(sb.pid, os.WNOHANG)
+            if done == sb.pid:
+                return
+        except ChildProcessError:
+            try:
+                with open(f"/proc/{sb.pid}/stat", "rb") as f:
+                    if f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X"):
+                        return
+            except (FileNotFoundError, ProcessLookupError):
+                return
+        time.sleep(0.0005)
 
 
 def rollback_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, checkpoint_id: str | None) -> Sandbox:

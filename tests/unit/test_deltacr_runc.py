@@ -1,0 +1,114 @@
+import os
+import time
+
+import pytest
+
+import deltacr.runc as runc_mod
+from deltacr import (CommandFailed, CriuFailed, CriuUnavailable, DumpOptions, Runc, check_criu, criu_errors,
+                     needs_sockopt_shim)
+from deltacr.runc import SubprocessCommandRunner
+from deltacr.testing import FakeCommandRunner
+
+DUMP_LOG = b"""(00.040) Error (criu/util.c:1533): rlimit: Can't setup RLIMIT_NOFILE for self: Operation not permitted
+(00.050) Dumping path for 0 fd via self 17 [/dev/null]
+(00.051) 3 fdinfo 1: pos: 0 flags: 2/0
+(00.052) Error (criu/sk-unix.c:351): unix: Unix socket 212287 not found
+(00.053) Error (criu/cr-dump.c:1681): Dump files (pid: 3) failed with -1
+(00.060) Error (criu/cr-dump.c:2111): Dumping FAILED.
+"""
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache():
+    runc_mod._criu_cache.clear()
+    yield
+    runc_mod._criu_cache.clear()
+
+
+def test_criu_errors_drop_the_rlimit_noise_and_keep_context():
+    errors, context = criu_errors(DUMP_LOG.decode())
+    assert len(errors) == 3 and "Unix socket 212287 not found" in errors[0]
+    assert not any("RLIMIT" in e for e in errors)
+    assert context[-1].endswith("flags: 2/0") and not any("RLIMIT" in c for c in context)
+
+
+def test_check_criu_lists_everything_missing():
+    fake = FakeCommandRunner()
+    fake.on("--version", output=b"Version: 3.16\n")
+    fake.on("check", returncode=1, output=b"Error (criu/cr-check.c:1): vDSO layout\nDoes not look good.\n")
+    fake.on("--feature", output=b"feature is supported\n")
+    fake.on("--feature", "tcp_half_closed", returncode=1, output=b"not supported\n")
+    with pytest.raises(CriuUnavailable) as ei:
+        check_criu(fake, "criu", ["tcp_half_closed", "mnt_id"])
+    missing = " ".join(ei.value.missing)
+    assert "CRIU >= 3.17 (found 3.16)" in missing and "criu check" in missing and "tcp_half_closed" in missing
+    assert "mnt_id" not in missing
+    assert ei.value.fix
+
+
+def test_check_criu_is_cached():
+    fake = FakeCommandRunner()
+    fake.on("check", output=b"Looks good.\n")
+    fake.on("--feature", output=b"mnt_id is supported\n")
+    a = check_criu(fake, "criu", ["mnt_id"])
+    n = len(fake.calls)
+    b = check_criu(fake, "criu", ["mnt_id"])
+    assert a is b and len(fake.calls) == n
+    assert a.version == (4, 1, 1) and "mnt_id" in a.features
+
+
+def test_missing_criu_binary():
+    with pytest.raises(CriuUnavailable, match="not installed"):
+        check_criu(SubprocessCommandRunner(), "/nonexistent/criu")
+
+
+def test_failed_dump_raises_criu_errors_and_keeps_the_log(tmp_path):
+    fake = FakeCommandRunner()
+    fake.on("checkpoint", returncode=1, output=b'level=error msg="criu failed: type NOTIFY errno 0"',
+            writes={"dump.log": DUMP_LOG})
+    r = Runc("/run/r", runner=fake)
+    with pytest.raises(CriuFailed) as ei:
+        r.checkpoint("sb-1", tmp_path / "img", tmp_path / "work", DumpOptions())
+    e = ei.value
+    assert "Unix socket 212287 not found" in str(e) and "dump of container sb-1" in str(e)
+    assert "RLIMIT" not in str(e)
+    assert e.log_path == str(tmp_path / "work" / "dump.log") and os.path.exists(e.log_path)
+    # network-lock skip went to CRIU through CRIU_CONFIG_FILE
+    env = fake.envs[-1]
+    assert env and open(env["CRIU_CONFIG_FILE"]).read() == "network-lock skip\n"
+
+
+def test_failure_before_criu_logged_anything_is_a_command_failure(tmp_path):
+    fake = FakeCommandRunner()
+    fake.on("checkpoint", returncode=1, output=b"container sb-1 does not exist")
+    with pytest.raises(CommandFailed, match="does not exist"):
+        Runc("/run/r", runner=fake).checkpoint("sb-1", tmp_path / "i", tmp_path / "w")
+
+
+def test_restore_returns_the_pid(tmp_path):
+    fake = FakeCommandRunner()
+    fake.on("restore", writes={"restore.pid": b"4242\n"})
+    pid = Runc("/run/r", runner=fake, loopback=False).restore("sb-1", tmp_path / "b", tmp_path / "i", tmp_path / "w")
+    assert pid == 4242
+    argv = fake.calls[-1]
+    assert argv[argv.index("--pid-file") + 1] == str(tmp_path / "w" / "restore.pid")
+
+
+def test_subprocess_runner_does_not_wait_for_inherited_pipes():
+    # A child left holding the output pipe (as a restored init does) must
+    # not keep the runner waiting for end of file.
+    t = time.monotonic()
+    res = SubprocessCommandRunner().run(["/bin/sh", "-c", "echo hi; sleep 5 & exit 3"], timeout=10)
+    assert time.monotonic() - t < 2
+    assert res.returncode == 3 and res.output.startswith(b"hi")
+
+
+def test_subprocess_runner_timeout():
+    res = SubprocessCommandRunner().run(["/bin/sleep", "5"], timeout=0.2)
+    assert res.returncode is None
+
+
+@pytest.mark.parametrize("version,kernel,need", [((4, 1, 1), "6.18.44-fc", True), ((4, 2), "6.18.0", False),
+                                                 ((4, 1), "6.12.1", False), ((3, 17), "6.16.0", True)])
+def test_sockopt_shim_needed_only_for_old_criu_on_new_kernels(version, kernel, need):
+    assert needs_sockopt_shim(version, kernel) is need
