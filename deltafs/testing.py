@@ -1,8 +1,15 @@
-"""Helpers for testing code that uses deltafs: a mounter that cleans up, and tree fingerprints.
+"""Helpers for testing code that uses deltafs: a fake driver, a mounter, tree fingerprints.
 
-Used by deltafs's own integration tests and benchmarks (and usable by
-crabd's); no pytest dependency. `fingerprint` records everything a rollback
-must reproduce, without following symlinks or opening fifos.
+* `FakeSnapshotter` is the real lifecycle (metadata, names, parents, errors)
+  over plain directories with full copies: code that drives a Snapshotter
+  (crabd's runtime) can be unit-tested with it without root or mounts. Its
+  "mounts" are bind specs of directories; a test can use the `source`
+  path directly instead of mounting.
+* `Mounter` mounts specs on fresh directories and unmounts them all at the end.
+* `fingerprint` records everything a rollback must reproduce, without
+  following symlinks or opening fifos.
+
+No pytest dependency; used by deltafs's own tests and bench/fs.py.
 """
 
 from __future__ import annotations
@@ -12,10 +19,75 @@ import os
 import stat
 import tempfile
 
-from .mount import mount_all, unmount
-from .tree import O_DIR, walk_fd
+from contextlib import contextmanager
+from typing import Any, Iterator
 
-__all__ = ["Mounter", "fingerprint", "allocated"]
+from .metadata import Row
+from .mount import Mount, mount_all, unmount
+from .snapshotter import Kind, Snapshotter
+from .tree import O_DIR, copy_tree, remove_tree, walk_fd
+
+__all__ = ["FakeSnapshotter", "Mounter", "fingerprint", "allocated"]
+
+
+class FakeSnapshotter(Snapshotter):
+    """Snapshots as full directory copies under ``state_dir/d/<id>``; no root needed.
+
+    Slow (every checkpoint copies the whole tree) and not crash-safe beyond
+    what the shared code gives; for tests of callers only.
+    """
+
+    driver = "fake"
+
+    def __init__(self, state_dir: str) -> None:
+        super().__init__(state_dir)
+        os.makedirs(os.path.join(self.state_dir, "d"), exist_ok=True)
+
+    def _path(self, id: int) -> str:
+        return os.path.join(self.state_dir, "d", str(id))
+
+    def _fill(self, id: int, src: str | None) -> None:
+        tmp = self._path(id) + ".tmp"
+        remove_tree(tmp)
+        remove_tree(self._path(id))
+        os.mkdir(tmp, 0o755)
+        if src is not None:
+            copy_tree(src, tmp)
+        os.rename(tmp, self._path(id))
+
+    def _create_active(self, row: Row, parent: Row | None) -> dict[str, Any]:
+        self._fill(row.id, self._path(parent.id) if parent else None)
+        return {}
+
+    def _create_view(self, row: Row, parent: Row) -> dict[str, Any]:
+        return {}
+
+    def _mounts(self, row: Row) -> list[Mount]:
+        if row.kind == Kind.VIEW:
+            assert row.parent is not None
+            return [Mount("bind", self._path(row.parent), ("bind", "ro"))]
+        return [Mount("bind", self._path(row.id), ("bind", "rw"))]
+
+    def _capture(self, active: Row, new: Row, consume: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+        self._fill(new.id, self._path(active.id))
+        return {}, active.extra
+
+    def _discard(self, row: Row) -> None:
+        if row.kind != Kind.VIEW:
+            remove_tree(self._path(row.id))
+
+    def _gc_disk(self, rows: list[Row]) -> list[str]:
+        known = {str(r.id) for r in rows if r.kind != Kind.VIEW}
+        out = []
+        for name in os.listdir(os.path.join(self.state_dir, "d")):
+            if name not in known:
+                remove_tree(os.path.join(self.state_dir, "d", name))
+                out.append(name)
+        return out
+
+    @contextmanager
+    def _readable(self, row: Row) -> Iterator[str]:
+        yield self._path(row.parent if row.kind == Kind.VIEW and row.parent else row.id)
 
 
 class Mounter:

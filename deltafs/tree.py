@@ -28,7 +28,7 @@ import stat
 from dataclasses import dataclass, field
 from typing import Iterator
 
-__all__ = ["Entry", "Change", "scan", "diff_entries", "Copier", "kind_of", "remove_tree", "open_dir"]
+__all__ = ["Entry", "Change", "scan", "diff_entries", "Copier", "kind_of", "remove_tree", "open_dir", "copy_tree"]
 
 # linux/fs.h: FICLONE = _IOW(0x94, 9, int) (verified against the C header here).
 FICLONE = 0x40049409
@@ -351,6 +351,26 @@ def copy_root_meta(src_fd: int, dst_fd: int, xattr_filter=None) -> None:
     for n, v in _xattrs(src_fd, b"", "dir"):
         if xattr_filter is None or xattr_filter(n):
             os.setxattr(dst_fd, n, v)
+
+
+def copy_tree(src: str | bytes, dst: str | bytes) -> Copier:
+    """Copy everything below directory `src` into the existing empty directory `dst`."""
+    sfd, dfd = open_dir(src), open_dir(dst)
+    try:
+        copier = Copier(dfd)
+        copy_root_meta(sfd, dfd)
+        dirs = []
+        for path, pfd, name, st in walk_fd(sfd):
+            copier.copy(pfd, name, st, path)
+            if stat.S_ISDIR(st.st_mode):
+                dirs.append((path, st))
+        for path, st in reversed(dirs):
+            copier.finish_dir(path, st)
+        copier.finish_dir(b"", os.fstat(sfd))
+        return copier
+    finally:
+        os.close(sfd)
+        os.close(dfd)
 
 
 def remove_tree(path: str | bytes) -> None:
