@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -48,7 +49,7 @@ CLASSES = ["0", "1", "100", "10000", "1MiB", "256MiB"]
 def pct(xs: list[float], p: float) -> float:
     """Nearest-rank percentile."""
     s = sorted(xs)
-    k = max(0, min(len(s) - 1, int(round(p / 100 * len(s) + 0.5)) - 1))
+    k = max(0, min(len(s) - 1, math.ceil(p / 100 * len(s)) - 1))
     return s[k]
 
 
