@@ -262,13 +262,3 @@ def _criu_env(work_dir: str | os.PathLike[str], opts: DumpOptions | RestoreOptio
     path = Path(work_dir) / "deltacr-criu.conf"
     path.write_text("".join(f"{ln}\n" for ln in lines))
     return {"CRIU_CONFIG_FILE": str(path)}
-
-
-def unsupported_hint(errors: Sequence[str]) -> str | None:
-    """A one-line reason for common refusals. Pure."""
-    text = "\n".join(errors)
-    if "External socket" in text or "ext-unix-sk" in text or "unix socket" in text.lower():
-        return "a process holds a unix socket connected outside the sandbox (DumpOptions.ext_unix_sk allows it)"
-    if "TCP connection" in text or "tcp-established" in text:
-        return "a process holds an established TCP connection (DumpOptions.tcp_established allows it)"
-    return None

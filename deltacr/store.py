@@ -19,9 +19,10 @@ each file's blake3 and size, and its own digest over its canonical body.
 
 Every write goes to tmp/ first and is renamed into place when complete, so
 a crash leaves garbage, never a half-written chunk or manifest. `get`
-verifies every file's digest (and the manifest's) *before* it writes the
-image out for a restore: a corrupted image raises ImageCorrupted naming the
-checkpoint and is never restored. `gc` deletes chunks no manifest names.
+checks the manifest's digest, every chunk's key and every file's digest
+while it writes the image out, and removes what it wrote on any mismatch:
+a corrupted image raises ImageCorrupted naming the checkpoint and never
+reaches a restore. `gc` deletes chunks no manifest names.
 """
 
 from __future__ import annotations
@@ -325,48 +326,48 @@ class ImageStore:
         _atomic_write(p, cctx.compress(data), self.root / "tmp")
 
     def get(self, checkpoint_id: str, dest: str | os.PathLike[str]) -> Manifest:
-        """Verify the whole image, then write it into the empty directory `dest`.
-        Raises ImageCorrupted (and writes nothing) if any byte is off."""
+        """Write the image into directory `dest`, checking every chunk and
+        file digest on the way; only a fully verified image is returned.
+        On any mismatch raises ImageCorrupted and removes what it wrote, so
+        nothing of a corrupted image can reach a restore."""
         m = self.manifest(checkpoint_id)
         dctx = zstandard.ZstdDecompressor()
-        cache: dict[str, bytes] = {}
-        # Pass 1: verify everything before anything is written out.
-        for f in m.files:
-            h = blake3.blake3()
-            total = 0
-            for data in self._file_chunks(m, f, dctx, cache):
-                h.update(data)
-                total += len(data)
-            if total != f.size or h.hexdigest() != f.digest:
-                raise ImageCorrupted(checkpoint_id, f"file {f.name}: content does not match its digest")
         dest = Path(dest)
         dest.mkdir(parents=True, exist_ok=True)
-        for f in m.files:
-            fd = os.open(dest / f.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         f.mode & 0o777)
-            with os.fdopen(fd, "wb") as out:
-                for data in self._file_chunks(m, f, dctx, cache):
-                    out.write(data)
+        written: list[Path] = []
+        try:
+            for f in m.files:
+                path = dest / f.name
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             f.mode & 0o777)
+                written.append(path)
+                h = blake3.blake3()
+                total = 0
+                with os.fdopen(fd, "wb") as out:
+                    for data in self._file_chunks(m, f, dctx):
+                        h.update(data)
+                        total += len(data)
+                        out.write(data)
+                if total != f.size or h.hexdigest() != f.digest:
+                    raise ImageCorrupted(checkpoint_id, f"file {f.name}: content does not match its digest")
+        except BaseException:
+            for path in written:
+                path.unlink(missing_ok=True)
+            raise
         return m
 
-    def _file_chunks(self, m: Manifest, f: FileEntry, dctx: zstandard.ZstdDecompressor,
-                     cache: dict[str, bytes]) -> Iterator[bytes]:
-        # Small chunks (metadata images) are kept decoded between the two
-        # passes; page chunks are decoded twice rather than held in memory.
+    def _file_chunks(self, m: Manifest, f: FileEntry, dctx: zstandard.ZstdDecompressor) -> Iterator[bytes]:
+        """A file's chunks, each checked against its key."""
         for key, ln in f.chunks:
-            data = cache.get(key)
-            if data is None:
-                p = self._chunk_path(key)
-                try:
-                    data = dctx.decompress(p.read_bytes(), max_output_size=ln)
-                except FileNotFoundError:
-                    raise ImageCorrupted(m.checkpoint_id, f"file {f.name}: chunk {key[:16]}... is missing") from None
-                except zstandard.ZstdError as e:
-                    raise ImageCorrupted(m.checkpoint_id, f"file {f.name}: chunk {key[:16]}... does not decode: {e}") from None
-                if len(data) != ln or blake3.blake3(data).hexdigest() != key:
-                    raise ImageCorrupted(m.checkpoint_id, f"file {f.name}: chunk {key[:16]}... does not match its key")
-                if ln < 4096:
-                    cache[key] = data
+            p = self._chunk_path(key)
+            try:
+                data = dctx.decompress(p.read_bytes(), max_output_size=ln)
+            except FileNotFoundError:
+                raise ImageCorrupted(m.checkpoint_id, f"file {f.name}: chunk {key[:16]}... is missing") from None
+            except zstandard.ZstdError as e:
+                raise ImageCorrupted(m.checkpoint_id, f"file {f.name}: chunk {key[:16]}... does not decode: {e}") from None
+            if len(data) != ln or blake3.blake3(data).hexdigest() != key:
+                raise ImageCorrupted(m.checkpoint_id, f"file {f.name}: chunk {key[:16]}... does not match its key")
             yield data
 
     def verify(self, checkpoint_id: str) -> Manifest:
@@ -375,7 +376,7 @@ class ImageStore:
         dctx = zstandard.ZstdDecompressor()
         for f in m.files:
             h = blake3.blake3()
-            for data in self._file_chunks(m, f, dctx, {}):
+            for data in self._file_chunks(m, f, dctx):
                 h.update(data)
             if h.hexdigest() != f.digest:
                 raise ImageCorrupted(checkpoint_id, f"file {f.name}: content does not match its digest")

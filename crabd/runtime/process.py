@@ -16,10 +16,17 @@ A standby is a runc container with the sandbox's own id under a runc root of
 its own, restored from the sandbox's bundle config with its own root and its
 own cgroup (`/crabd/<id>.<token>`), and CRIU's `leave-stopped` (through the
 bundle's `org.criu.config` annotation): its tasks exist, hold their memory
-and sockets, and do not run. Promotion kills the sandbox's current tasks,
-moves the standby's tasks into the sandbox's cgroups, installs the
-standby's runc state as the sandbox's, and sends SIGCONT to every task:
-from then on the runtime sees it as the sandbox (exec, freeze, pids).
+and sockets, and do not run. Promotion kills the sandbox's current init,
+installs the standby's runc state as the sandbox's, sends SIGCONT to every
+standby task, then moves them into the sandbox's cgroups and binds the
+standby's root at the sandbox's bundle/rootfs: from then on the runtime
+sees it as the sandbox (exec, freeze, pids, stop/start).
+
+Standbys are bounded by deltacr.StandbyPolicy (per sandbox, host memory);
+`make_room_for_standby` applies it. Errors: crabd's own (SandboxNotRunning,
+FailedPrecondition, NotFound) and deltacr's (CriuFailed with CRIU's `Error`
+lines, ImageCorrupted, CriuUnavailable, AlreadyExists), left as they are for
+the API layer to map.
 """
 
 from __future__ import annotations
@@ -35,8 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from deltacr import (CriuFailed, DumpOptions, ImageStore, RestoreOptions, Runc, StandbyRecord,
-                     capture_consistent)
+from deltacr import (Admission, AlreadyExists, CriuFailed, DumpOptions, ImageStore, RestoreOptions, Runc,
+                     StandbyPolicy, StandbyRecord, capture_consistent)
 from deltacr.compat import host_criu
 from deltafs import Mount, is_mountpoint, mount_all, unmount
 
@@ -46,7 +53,8 @@ from .cgroups import Freezer
 from .sandbox import Runtime, Sandbox
 
 __all__ = ["ProcessCheckpoint", "Standby", "checkpoint_processes", "restore_processes", "rollback_processes",
-           "prepare_standby", "promote_standby", "discard_standby", "list_standbys", "CheckpointableRunner"]
+           "prepare_standby", "promote_standby", "discard_standby", "list_standbys", "make_room_for_standby",
+           "CheckpointableRunner"]
 
 
 @dataclass(frozen=True)
@@ -120,7 +128,6 @@ def checkpoint_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, check
     in store.log_dir(checkpoint_id)); the sandbox keeps running as it was."""
     sb = _running(rt, sandbox_ref)
     if store.exists(checkpoint_id):
-        from deltacr import AlreadyExists
         raise AlreadyExists(f"checkpoint {checkpoint_id!r} already has a process image")
     freezer = Freezer(rt.layout, sb.cgroup_rel)
     was_frozen = freezer.state() == "FROZEN"
@@ -314,6 +321,23 @@ def prepare_standby(rt: Runtime, sandbox_ref: str, store: ImageStore, checkpoint
     st.prepare_ms = (time.monotonic() - t0) * 1e3
     (d / "standby.json").write_text(json.dumps(st.to_dict(), indent=2))
     return st
+
+
+def make_room_for_standby(rt: Runtime, policy: StandbyPolicy, sandbox_ref: str, store: ImageStore,
+                          checkpoint_id: str) -> Admission:
+    """Ask `policy` whether a standby of `checkpoint_id` may be prepared,
+    and discard the standbys it says must go first (host-wide)."""
+    sb = rt.get(sandbox_ref)
+    m = store.manifest(checkpoint_id)
+    new = StandbyRecord(sb.id, checkpoint_id, sum(f.size for f in m.files if f.name.startswith("pages-")), time.time())
+    current = list_standbys(rt)
+    adm = policy.admit(new, [s.record() for s in current])
+    if adm.admit:
+        for ev in adm.evict:
+            for s in current:
+                if s.sandbox_id == ev.sandbox_id and s.checkpoint_id == ev.checkpoint_id:
+                    discard_standby(rt, s)
+    return adm
 
 
 def list_standbys(rt: Runtime, sandbox_ref: str | None = None) -> list[Standby]:
