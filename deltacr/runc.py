@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Protocol, Sequence
+from typing import Iterable, Protocol
 
 from .errors import CommandFailed, CriuFailed, CriuUnavailable
 from .netns import loopback_up

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import socket
 import subprocess
 import time
@@ -20,9 +19,9 @@ from pathlib import Path
 import pytest
 
 import deltafs
-from deltacr import CriuFailed, CriuUnavailable, ImageCorrupted, ImageStore, check_criu
+from deltacr import CriuFailed, CriuUnavailable, ImageCorrupted, ImageStore, StandbyPolicy, check_criu
 from deltacr.runc import SubprocessCommandRunner
-from deltafs import Mount, is_mountpoint, mount_all, unmount
+from deltafs import Mount, mount_all, unmount
 
 pytestmark = pytest.mark.integration
 
@@ -388,7 +387,8 @@ def test_corrupted_image_is_refused_and_sandbox_left_alone(cr_runtime, busybox_i
 
 
 def test_hot_standby_promotion_swaps_in_the_checkpoint(cr_runtime, debian_image, make_sandbox, store, tmp_path):
-    from crabd.runtime.process import checkpoint_processes, prepare_standby, promote_standby
+    from crabd.runtime.process import (checkpoint_processes, list_standbys, make_room_for_standby, prepare_standby,
+                                       promote_standby)
     rt = cr_runtime
     sb = make_sandbox(debian_image)
     start_server(rt, sb)
@@ -398,14 +398,21 @@ def test_hot_standby_promotion_swaps_in_the_checkpoint(cr_runtime, debian_image,
     # The standby's own root: a fork of the image (an overlay with its own upper).
     upper, work = tmp_path / "upper", tmp_path / "work"
     upper.mkdir(), work.mkdir()
-    shutil.copy2(Path(rt.images.get(debian_image).path) / "etc" / "hostname", upper / "standby-marker") \
-        if (Path(rt.images.get(debian_image).path) / "etc" / "hostname").exists() else (upper / "standby-marker").write_text("x")
+    (upper / "standby-marker").write_text("fork\n")
     (upper / "srv.py").write_text(SERVER)
     root = [Mount("overlay", "overlay", (f"lowerdir={rt.images.get(debian_image).path}", f"upperdir={upper}",
                                          f"workdir={work}", "index=off"))]
+    policy = StandbyPolicy(per_sandbox=1, memory_budget=1 << 30)
+    assert make_room_for_standby(rt, policy, sb.id, store, "hot-1").admit
     st = prepare_standby(rt, sb.id, store, "hot-1", root=root)
-    states = {subprocess.run(["ps", "-o", "stat=", "-p", str(st.pid)], capture_output=True, text=True).stdout.strip()}
-    assert states <= {"T", "Ts", "Tl", "T+"} or any(s.startswith("T") for s in states), states
+    assert [s.checkpoint_id for s in list_standbys(rt, sb.id)] == ["hot-1"]
+    assert not make_room_for_standby(rt, policy, sb.id, store, "hot-1").admit  # already there
+    # Stopped, every task (state T), and outside the sandbox's cgroup.
+    standby_pids = [int(x) for x in (rt.layout.freezer_dir(st.cgroup_rel) / "cgroup.procs").read_text().split()]
+    assert st.pid in standby_pids and not set(standby_pids) & set(rt.pids(sb.id))
+    for pid in standby_pids:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        assert state == "T", (pid, state)
     assert probe(rt, sb, "/inc") == "3"
 
     sb2 = promote_standby(rt, st)
@@ -418,6 +425,7 @@ def test_hot_standby_promotion_swaps_in_the_checkpoint(cr_runtime, debian_image,
     # It is the sandbox now: freeze, pids and a further checkpoint work,
     # and that checkpoint leaves it running (no leave-stopped left over).
     assert set(rt.pids(sb.id)) >= {st.pid}
+    assert list_standbys(rt, sb.id) == []
     checkpoint_processes(rt, sb.id, store, "hot-2")
     assert probe(rt, sb, "/inc") == "3"
 
