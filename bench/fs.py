@@ -17,7 +17,9 @@ for 0, 1, 100, 10000 changed files and 1 MiB / 256 MiB changed in one file:
 * total (commit_total_ms): from the end of the turn's writes to the
   checkpoint being durable: prepare_checkpoint() (btrfs: syncfs writeback;
   overlay: pre-copy) + pause + sync();
-* bytes_per_commit: Snapshotter.usage() of the new checkpoint;
+* bytes_per_commit: Snapshotter.usage() of the new checkpoint (what it adds);
+* checkpoint_write_bytes: what the checkpoint itself writes (btrfs: pool
+  device writes during checkpoint + sync; overlay: the copied layer);
 
 then rollback (unmount in the background, remove the active, prepare from
 a checkpoint, mount on the same path), fork (prepare + mount on a new path), and the layer depth
@@ -105,6 +107,21 @@ class Freezer:
             os.rmdir(self.path)
         except OSError:
             pass
+
+
+def pool_written(s) -> int | None:
+    """Bytes written so far to the block device under a btrfs pool (None when not a btrfs store)."""
+    root = getattr(s, "root", None)
+    if root is None:
+        return None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            if left.split()[4] == root:
+                dev = os.path.basename(right.split()[1])
+                with open(f"/sys/block/{dev}/stat") as st:
+                    return int(st.read().split()[6]) * 512
+    return None
 
 
 def write(path: str, data: bytes) -> None:
@@ -211,16 +228,17 @@ def bench_driver(driver: str, quick: bool, image_dir: str | None, base: str, log
         log(f"{driver}: image ({info['kind']}, {info['files']} files, {info['bytes'] >> 20} MiB) "
             f"+ 5000-file project ready in {time.perf_counter() - t0:.1f} s")
 
-        out: dict = {"commit_ms": {}, "commit_total_ms": {}, "bytes_per_commit": {}}
+        out: dict = {"commit_ms": {}, "commit_total_ms": {}, "bytes_per_commit": {}, "checkpoint_write_bytes": {}}
         last = None
         compactions: list[float] = []
         for cls in CLASSES:
             reps = {"10000": 2, "256MiB": 2}.get(cls, 5) if quick else {"10000": 10, "256MiB": 10}.get(cls, 100)
-            pauses, totals = [], []
+            pauses, totals, written = [], [], []
             for rep in range(reps):
                 change(root, cls, rep)
                 t_end = time.perf_counter()            # the turn's writes are done
                 s.prepare_checkpoint("sb")             # during the LLM wait
+                w0 = pool_written(s)
                 f0 = time.perf_counter()
                 freezer.freeze()
                 last = s.checkpoint("sb")
@@ -228,6 +246,9 @@ def bench_driver(driver: str, quick: bool, image_dir: str | None, base: str, log
                 f1 = time.perf_counter()
                 s.sync()                               # durable
                 t1 = time.perf_counter()
+                w1 = pool_written(s)
+                if w0 is not None and w1 is not None:
+                    written.append(w1 - w0)
                 pauses.append((f1 - f0) * 1e3)
                 totals.append((t1 - t_end) * 1e3)
                 # What crabd's scheduler does at idle time (overlay: merge
@@ -238,8 +259,13 @@ def bench_driver(driver: str, quick: bool, image_dir: str | None, base: str, log
             out["commit_ms"][cls] = summary(pauses)
             out["commit_total_ms"][cls] = summary(totals)
             out["bytes_per_commit"][cls] = s.usage(last).size
+            # What the checkpoint itself writes: btrfs, the pool device's
+            # writes during checkpoint + sync (the sandbox's own data was
+            # written back by prepare_checkpoint); overlay, the layer it copies.
+            out["checkpoint_write_bytes"][cls] = int(pct(written, 50)) if written else out["bytes_per_commit"][cls]
             log(f"{driver}: {cls:>7} changed: pause p50 {pct(pauses, 50):8.2f} ms p99 {pct(pauses, 99):8.2f} ms; "
-                f"total p50 {pct(totals, 50):8.2f} ms; {out['bytes_per_commit'][cls]} B")
+                f"total p50 {pct(totals, 50):8.2f} ms; adds {out['bytes_per_commit'][cls]} B, "
+                f"writes {out['checkpoint_write_bytes'][cls]} B")
 
         out["compact_ms"] = summary(compactions) if compactions else {"p50": 0.0, "p99": 0.0}
         out["compactions"] = len(compactions)

@@ -10,6 +10,7 @@ and `overlay` (overlayfs layers; any file system).
 
 from __future__ import annotations
 
+import builtins
 import os
 
 from .errors import AlreadyExists, DeltafsError, FailedPrecondition, InvalidArgument, NotFound
@@ -21,10 +22,11 @@ __all__ = [
     "open", "Snapshotter", "Info", "Usage", "Kind", "Change", "Entry",
     "Mount", "MountError", "is_mountpoint", "mount_all", "unmount",
     "DeltafsError", "NotFound", "AlreadyExists", "FailedPrecondition", "InvalidArgument",
-    "DRIVERS",
+    "DRIVERS", "available_drivers",
 ]
 
 DRIVERS = ("btrfs", "overlay")
+builtins_open = builtins.open  # `open` below is deltafs.open
 
 
 def _stored_driver(state_dir: str) -> str | None:
@@ -41,6 +43,32 @@ def _stored_driver(state_dir: str) -> str | None:
         return None
     finally:
         con.close()
+
+
+def available_drivers() -> dict[str, str | None]:
+    """Driver name -> None when this host can run it, else what is missing and how to fix it.
+
+    For `crabd doctor`; cheap (reads /proc/filesystems and PATH, mounts nothing).
+    """
+    import shutil
+
+    from .btrfs import btrfs_available
+
+    out: dict[str, str | None] = {}
+    if os.geteuid() != 0:
+        out["btrfs"] = out["overlay"] = "needs root (mount(2), btrfs ioctls)"
+        return out
+    if btrfs_available():
+        out["btrfs"] = None
+    elif shutil.which("mkfs.btrfs") is None:
+        out["btrfs"] = "mkfs.btrfs missing: apt-get install btrfs-progs (needed for the loop-backed pool)"
+    else:
+        out["btrfs"] = "the kernel has no btrfs: modprobe btrfs"
+    with builtins_open("/proc/filesystems") as f:
+        has_overlay = any(line.split()[-1] == "overlay" for line in f if line.strip())
+    has_module = os.path.exists(f"/lib/modules/{os.uname().release}/kernel/fs/overlayfs")
+    out["overlay"] = None if has_overlay or has_module else "the kernel has no overlayfs: modprobe overlay"
+    return out
 
 
 def open(state_dir: str, driver: str = "auto", **options: object) -> Snapshotter:
