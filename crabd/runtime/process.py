@@ -136,6 +136,8 @@ def checkpoint_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, check
     runc = _runc(rt)
     init_pid = sb.pid
 
+    _check_init_stdio(sb, init_pid)
+
     def dump() -> float:
         _check_tree(sb, freezer.dir / "cgroup.procs", init_pid)
         return runc.checkpoint(sb.id, img, logs, opts)
@@ -165,6 +167,20 @@ def _ppid_comm(pid: int) -> tuple[int, str]:
         data = f.read()
     comm = data[data.index(b"(") + 1:data.rindex(b")")].decode(errors="replace")
     return int(data[data.rindex(b")") + 2:].split()[1]), comm
+
+
+def _check_init_stdio(sb: Sandbox, init_pid: int | None) -> None:
+    """CRIU cannot dump a file the init holds from outside the sandbox's
+    mounts (Runtime.start's init.log): say so with the fix, before freezing."""
+    for fd in (0, 1, 2):
+        try:
+            target = os.readlink(f"/proc/{init_pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/") and not target.startswith("/dev/"):
+            raise FailedPrecondition(
+                f"the init of sandbox {sb.id} holds {target} (fd {fd}), a host file CRIU cannot dump",
+                fix="start sandboxes with Runtime(runner=CheckpointableRunner()) so the init's output is a pipe")
 
 
 def _check_tree(sb: Sandbox, procs_file: Path, init_pid: int | None) -> None:
@@ -374,6 +390,14 @@ def promote_standby(rt: Runtime, st: Standby) -> Sandbox:
     with `favordynmods`). Reaping the old tasks, the root mount and removing
     the standby's dir happen after both clocks stop."""
     sb = rt.get(st.sandbox_id)  # before the clock: a runc spawn, not part of the swap
+    try:
+        stopped = Path(f"/proc/{st.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except (FileNotFoundError, IndexError):
+        stopped = False
+    if not stopped:
+        raise FailedPrecondition(f"standby {st.token} of sandbox {sb.id} (checkpoint {st.checkpoint_id}) "
+                                 "is gone or was resumed; the sandbox is left as it is",
+                                 fix="discard it and restore the checkpoint instead")
     t0 = time.monotonic()
     old_state_path = rt.runc_root / sb.id / "state.json"
     new_state_path = st.runc_root / sb.id / "state.json"

@@ -471,3 +471,15 @@ def test_rollback_without_process_image_starts_a_fresh_init(cr_runtime, busybox_
 
     assert sb2.status == "running" and sb2.pid != old_pid
     assert [p for p in procs(rt, sb) if not p.startswith("1 ")] == []
+
+
+def test_sandbox_whose_init_holds_a_host_file_is_refused_with_the_fix(runtime, busybox_image, sandbox_factory, store):
+    """Runtime.start gives the init init.log (a host file) unless the runner
+    is CheckpointableRunner: the dump is refused up front, with the fix."""
+    from crabd.errors import FailedPrecondition
+    from crabd.runtime.process import checkpoint_processes
+    sb = sandbox_factory(busybox_image)
+    with pytest.raises(FailedPrecondition) as ei:
+        checkpoint_processes(runtime, sb.id, store, "stdio-1")
+    assert "init.log" in str(ei.value) and "CheckpointableRunner" in str(ei.value)
+    assert freezer_state(runtime, sb) == "THAWED"
