@@ -18,7 +18,10 @@ size of one CRIU image; stored_bytes = the store's chunk bytes after all
 checkpoints. Then restore_ms = p50 of a cold rollback to the last
 checkpoint (verify + reassemble the image, stop, runc restore, loopback up)
 over 5 (3) runs, and promote_ms = p50 of promoting a hot standby (prepared
-from the same checkpoint on a root of its own) over 5 (3) runs.
+from the same checkpoint on a root of its own) over 5 (3) runs: until the
+checkpoint's processes run again (promote_swap_ms: and sit in the
+sandbox's cgroups). small_fs (extra): the small sandbox on a deltafs root,
+pause of freeze -> deltafs checkpoint -> dump -> thaw.
 
 Images come from the test state dir (default $CRABD_TEST_STATE_DIR or
 /var/lib/crabd-test): busybox is made from /bin/busybox if missing; the
@@ -172,12 +175,46 @@ def scenario(rt: Runtime, name: str, image: str, start, n_ck: int, n_rs: int, ba
     return out
 
 
+def scenario_fs(rt: Runtime, image: str, n_ck: int, base: Path) -> dict:  # type: ignore[no-untyped-def]
+    """The small sandbox on a deltafs root: the pause of a consistent
+    capture (freeze -> deltafs checkpoint -> CRIU dump -> thaw)."""
+    import deltafs
+    snaps = deltafs.open(str(base / "fs"))
+    src = Path(rt.images.get(image).path)
+    mnt = base / "fs-import"
+    mnt.mkdir()
+    deltafs.mount_all(snaps.prepare("import"), str(mnt))
+    try:
+        subprocess.run(["cp", "-a", f"{src}/.", str(mnt)], check=True, timeout=120)
+    finally:
+        deltafs.unmount(str(mnt))
+    snaps.commit("base", "import")
+    sb = rt.create(image, root=snaps.prepare("sb", parent="base"))
+    store = ImageStore(base / "store-small-fs")
+    try:
+        start_small(rt, sb.id)
+        infos = []
+        for i in range(n_ck):
+            rt.exec(sb.id, ["/bin/sh", "-c", f"echo {i} > /www/turn-{i}.txt"])
+            snaps.prepare_checkpoint("sb")
+            infos.append(checkpoint_processes(rt, sb.id, store, f"fs-{i}", fs_commit=lambda: snaps.checkpoint("sb")))
+            time.sleep(0.3)
+        return {"driver": snaps.driver,
+                "pause_ms": round(pct([x.pause_ms for x in infos], 50), 1),
+                "fs_commit_ms": round(pct([x.fs_ms for x in infos], 50), 2),
+                "dump_ms": round(pct([x.dump_ms for x in infos], 50), 1)}
+    finally:
+        rt.destroy(sb.id)
+        # btrfs: the loop-backed pool lives in `base`; unmount it before `base` goes.
+        getattr(snaps, "unmount_pool", snaps.close)()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="5 checkpoints, 3 restores/promotions")
     ap.add_argument("--json", action="store_true", help="print JSON only")
     ap.add_argument("--state-dir", default=os.environ.get("CRABD_TEST_STATE_DIR", "/var/lib/crabd-test"))
-    ap.add_argument("--only", choices=["small", "heap200"], help="run one scenario")
+    ap.add_argument("--only", choices=["small", "heap200", "small_fs"], help="run one scenario")
     a = ap.parse_args()
     if os.geteuid() != 0:
         print("bench/cr.py needs root (runc, CRIU, mounts)", file=sys.stderr)
@@ -189,6 +226,8 @@ def main() -> int:
     try:
         if a.only in (None, "small"):
             res["small"] = scenario(rt, "small", busybox_image(rt), start_small, n_ck, n_rs, base)
+        if a.only in (None, "small_fs"):
+            res["small_fs"] = scenario_fs(rt, busybox_image(rt), n_ck, base)
         if a.only in (None, "heap200"):
             if not rt.images.exists("debian-py"):
                 print("heap200 needs the debian-py image: run the integration tests once "
@@ -210,6 +249,10 @@ def main() -> int:
                   f"{r['raw_bytes'] / 2**20:>9.1f}Mi {r['stored_bytes'] / 2**20:>9.1f}Mi "
                   f"{r['stored_bytes'] / max(1, r['raw_bytes']):>5.2f}x")
     print("ratio = stored bytes after all checkpoints / one raw image (target <= 1.5x)")
+    if "small_fs" in res:
+        r = res["small_fs"]
+        print(f"consistent capture, small on deltafs ({r['driver']}): pause p50 {r['pause_ms']} ms "
+              f"(fs commit {r['fs_commit_ms']} ms + dump {r['dump_ms']} ms)")
     return 0
 
 
