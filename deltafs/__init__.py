@@ -26,7 +26,7 @@ __all__ = [
 ]
 
 DRIVERS = ("btrfs", "overlay")
-builtins_open = builtins.open  # `open` below is deltafs.open
+_builtin_open = builtins.open  # `open` below is deltafs.open
 
 
 def _stored_driver(state_dir: str) -> str | None:
@@ -64,7 +64,7 @@ def available_drivers() -> dict[str, str | None]:
         out["btrfs"] = "mkfs.btrfs missing: apt-get install btrfs-progs (needed for the loop-backed pool)"
     else:
         out["btrfs"] = "the kernel has no btrfs: modprobe btrfs"
-    with builtins_open("/proc/filesystems") as f:
+    with _builtin_open("/proc/filesystems") as f:
         has_overlay = any(line.split()[-1] == "overlay" for line in f if line.strip())
     has_module = os.path.exists(f"/lib/modules/{os.uname().release}/kernel/fs/overlayfs")
     out["overlay"] = None if has_overlay or has_module else "the kernel has no overlayfs: modprobe overlay"

@@ -454,9 +454,3 @@ class Snapshotter(abc.ABC):
     def _next_id(self) -> int:
         r = self.meta.db.execute("SELECT seq FROM sqlite_sequence WHERE name='snapshots'").fetchone()
         return (r[0] if r else 0) + 1
-
-    def _row_names(self, ids: list[int]) -> list[str]:
-        try:
-            return [self.meta.by_id(i).name for i in ids]
-        except NotFound:
-            return []
