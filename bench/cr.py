@@ -164,6 +164,7 @@ def scenario(rt: Runtime, name: str, image: str, start, n_ck: int, n_rs: int, ba
             "store_ms": round(pct([x.store_ms for x in infos], 50), 1),
             "restore_stage_ms": round(stage_ms, 1),
             "standby_prepare_ms": round(pct(prepares, 50), 1),
+            "dump_ms_all": [round(x.pause_ms, 1) for x in infos],
             "restore_ms_all": [round(x, 1) for x in restores],
             "promote_ms_all": [round(x, 2) for x in promotes],
             "promote_swap_ms_all": [round(x, 2) for x in swaps],
