@@ -13,7 +13,7 @@ import os
 import platform
 from pathlib import Path
 
-from ebpf._events import MAX_LEVELS, Event, decode, program_text
+from ebpf._events import FILE_KINDS, FILE_KINDS_MAX, MAX_LEVELS, Event, decode, program_text
 from ebpf.errors import BPFUnavailable
 
 
@@ -121,11 +121,24 @@ class BccLoader:
         bpf = self._bpf
         if bpf is None:
             return []
-        if timeout_ms > 0:
-            bpf.ring_buffer_poll(timeout_ms)
-        else:
-            bpf.ring_buffer_consume()
+        # the program submits with BPF_RB_NO_WAKEUP: poll() would sleep
+        # through pending records, consume() takes them
+        bpf.ring_buffer_consume()
         out, self._batch = self._batch, []
+        return out
+
+    def next_epoch(self, tag: int) -> None:
+        t = self._table("epochs")
+        k = ctypes.c_int(tag)
+        t[k] = ctypes.c_uint64(t[k].value + 1)
+
+    def suppressed_counts(self, tag: int) -> dict[int, int]:
+        t = self._table("suppressed")
+        out = {}
+        for kind in FILE_KINDS:
+            n = int(sum(t[ctypes.c_int(tag * FILE_KINDS_MAX + int(kind))]))
+            if n:
+                out[int(kind)] = n
         return out
 
     def _percpu_sum(self, name: str, tag: int) -> int:

@@ -21,6 +21,9 @@ MAX_TAGS = 1024
 MAX_LEVELS = 4
 MAX_PIDS = 65536
 MAX_PENDING = 16384
+MAX_SEEN = 65536
+FILE_KINDS_MAX = 16  # file event kinds are < 16
+FILE_EMIT_LIMIT = 256  # plain file events per CPU and turn sent to userspace
 RINGBUF_PAGES = 1024  # 4 MiB: ~7000 events in flight
 AT_FDCWD = -100
 
@@ -206,6 +209,9 @@ def defines(follow_pids: bool = False) -> dict[str, int]:
         "MAX_LEVELS": MAX_LEVELS,
         "MAX_PIDS": MAX_PIDS,
         "MAX_PENDING": MAX_PENDING,
+        "MAX_SEEN": MAX_SEEN,
+        "FILE_KINDS_MAX": FILE_KINDS_MAX,
+        "FILE_EMIT_LIMIT": FILE_EMIT_LIMIT,
         "RINGBUF_PAGES": RINGBUF_PAGES,
         "AT_FDCWD_": AT_FDCWD,
         "O_CREAT_": O_CREAT,

@@ -11,9 +11,13 @@ A turn covers everything since the previous `end_turn` (or `watch`), so a
 change made between turns is never lost; `begin_turn` only stamps the start.
 Events carry CLOCK_MONOTONIC timestamps: `end_turn` takes its cut time,
 drains the ring buffer, and an event stamped after the cut goes to the next
-turn. A background thread drains the ring buffer between turns so that it
-does not fill up (`poll_interval=None` turns it off; then only `end_turn`
-drains, which is what unit tests with the fake loader use).
+turn. A background thread drains the ring buffer every `poll_interval`
+seconds so that it does not fill up (`poll_interval=None` turns it off;
+then only `end_turn` drains, which is what unit tests with the fake loader
+use). In the kernel, repeats of a file event by the same process within a
+turn are dropped (deduplicated) and, past a per-turn budget, plain file
+changes are only counted: `Effects.files[...].count` includes those counts,
+the samples show what was sent.
 
 `python -m ebpf.inspector --print-program` prints the generated BPF C.
 """
@@ -51,6 +55,8 @@ class Loader(Protocol):
     def read_events(self, timeout_ms: int = 0) -> list[Event]: ...
     def write_count(self, tag: int) -> int: ...
     def dropped_count(self, tag: int) -> int: ...
+    def next_epoch(self, tag: int) -> None: ...
+    def suppressed_counts(self, tag: int) -> dict[int, int]: ...
     def close(self) -> None: ...
 
 
@@ -95,6 +101,7 @@ class _Watched:
     baseline: dict[int, ProcInfo]
     writes_base: int
     dropped_base: int
+    suppressed_base: dict[int, int] = field(default_factory=dict)
     turn: int = 0
     started_ns: int = 0
     cut_ns: int | None = None  # set while end_turn drains
@@ -215,6 +222,7 @@ class Inspector:
                 outside=tuple(outside_paths),
                 writes_base=self._loader.write_count(tag),
                 dropped_base=self._loader.dropped_count(tag),
+                suppressed_base=self._loader.suppressed_counts(tag),
             )
             if cgid is not None:
                 self._loader.add_cgroup(cgid, level, tag)
@@ -273,14 +281,15 @@ class Inspector:
                 self._waiting -= 1
 
     def _poll_loop(self) -> None:
-        while not self._stop.is_set():
+        # The program submits without waking readers, so this is a timed
+        # loop: sleep, then consume whatever is in the ring buffer.
+        assert self._poll_interval is not None
+        while not self._stop.wait(self._poll_interval):
             if self._waiting:
-                # Python locks are not fair: step aside so end_turn gets it.
-                time.sleep(0.0005)
-                continue
+                continue  # end_turn is draining
             with self._poll_lock:
                 try:
-                    events = self._loader.read_events(int(self._poll_interval * 1000) or 1)  # type: ignore[operator]
+                    events = self._loader.read_events(0)
                 except Exception:  # noqa: BLE001 - keep draining; end_turn reports drops
                     events = []
                 self._dispatch(events)
@@ -295,9 +304,12 @@ class Inspector:
         cut = self._clock()
         with w.lock:
             w.cut_ns = cut
+        # repeats are deduplicated in the kernel per turn: a new turn starts now
+        self._loader.next_epoch(w.tag)
         self._drain()
         writes = self._loader.write_count(w.tag)
         dropped = self._loader.dropped_count(w.tag)
+        suppressed = self._loader.suppressed_counts(w.tag)
         after = self._snapshot(w.cgroup_path)
         with w.lock:
             rec, w.recorder = w.recorder, (w.next_recorder or TurnRecorder(self._max, w.outside))
@@ -310,6 +322,7 @@ class Inspector:
             w.started_ns = 0
             wb, db = w.writes_base, w.dropped_base
             w.writes_base, w.dropped_base = writes, dropped
+            sb_base, w.suppressed_base = w.suppressed_base, suppressed
         if self._loader.mode == "bpf-pids":
             # new processes reached through fork are followed by the program;
             # make sure every current member is (runc exec'd ones are not forks)
@@ -326,4 +339,5 @@ class Inspector:
             write_syscalls=writes - wb,
             dropped=dropped - db,
             stateless=w.stateless,
+            suppressed={k: v - sb_base.get(k, 0) for k, v in suppressed.items() if v - sb_base.get(k, 0) > 0},
         )

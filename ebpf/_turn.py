@@ -335,8 +335,18 @@ class TurnRecorder:
         listening_now: dict[int, list[str]] | None = None,
         notes: list[str] | None = None,
         external_unknown: bool = False,
+        suppressed: dict[int, int] | None = None,
     ) -> Effects:
         self._flush_fresh()
+        notes = list(notes or [])
+        if suppressed:
+            # counted in the kernel only: all plain (rootfs) file changes
+            for kind, n in sorted(suppressed.items()):
+                name = FILE_KINDS.get(EventKind(kind), "write")
+                self.files.setdefault(name, Sample()).count += n
+            notes.append(
+                f"{sum(suppressed.values())} file events past the per-turn sample budget were counted, not sampled"
+            )
 
         def rec(i: ProcInfo) -> ProcessRecord:
             return ProcessRecord(pid=i.pid, comm=i.comm, cmdline=list(i.cmdline))
@@ -388,5 +398,5 @@ class TurnRecorder:
             external=bool(external),
             external_reasons=external,
             external_unknown=external_unknown,
-            notes=list(notes or []),
+            notes=notes,
         )

@@ -16,6 +16,9 @@
  *
  * Every event that cannot be recorded (ring buffer full, `pending` full)
  * increments `dropped[tag]`; userspace then assumes the worst for the turn.
+ * Events are submitted without waking the reader (BPF_RB_NO_WAKEUP): it
+ * polls every few milliseconds and drains at every turn end anyway, and a
+ * wakeup per event would cost the traced process more than the event.
  *
  * The Python side prepends the constants (EV_*, MAX_TAGS, ...) generated from
  * ebpf/_events.py, the single source of truth for the event layout:
@@ -57,6 +60,29 @@ struct pending {
     s64 arg;
     u64 path;    /* user pointers */
     u64 path2;
+    u64 hash;    /* of the path string, when dedup applies */
+    u32 dedup;
+    u32 special; /* a path is under /dev, /proc or /sys */
+};
+
+/* Repeats within a turn: a process that opens (chmods, ...) the same path
+ * again in the same turn adds nothing to the plan, but a syscall storm of
+ * them would flood the ring buffer. The first *successful* call per
+ * (sandbox, process, kind, dirfd, path) and turn is recorded; `epochs[tag]`
+ * is the turn number, bumped by userspace at every turn end. Deletions are
+ * never deduplicated, and a successful deletion forgets the path's
+ * create/mkdir entries, so that create-delete pairs (which userspace may
+ * cancel out) are always seen whole. */
+struct seen_key {
+    u32 tag;
+    u32 tgid;
+    s32 dfd;
+    u32 kind;
+    u64 hash;
+};
+
+struct pathbuf {
+    char s[PATH_LEN];
 };
 
 BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
@@ -66,6 +92,22 @@ BPF_HASH(watched_pids, u32, u32, MAX_PIDS);        /* tgid -> tag (FOLLOW_PIDS) 
 BPF_HASH(pending, u64, struct pending, MAX_PENDING);
 BPF_PERCPU_ARRAY(writes, u64, MAX_TAGS);
 BPF_PERCPU_ARRAY(dropped, u64, MAX_TAGS);
+BPF_ARRAY(epochs, u64, MAX_TAGS);
+BPF_TABLE("lru_hash", struct seen_key, u64, seen, MAX_SEEN);
+BPF_PERCPU_ARRAY(scratch, struct pathbuf, 1);
+
+/* Past FILE_EMIT_LIMIT file events per CPU in a turn, plain file changes
+ * (not under /dev, /proc, /sys) are only counted, per kind, in
+ * `suppressed[tag * FILE_KINDS_MAX + kind]`: the turn is a file-system turn
+ * whatever they are, and an untar of a big tree must not flood the ring.
+ * Writes to /dev, /proc and /sys are always emitted: userspace needs their
+ * paths to tell /dev/null from real state. */
+struct emit_count {
+    u64 epoch;
+    u64 n;
+};
+BPF_PERCPU_ARRAY(emitted, struct emit_count, MAX_TAGS);
+BPF_PERCPU_ARRAY(suppressed, u64, MAX_TAGS * FILE_KINDS_MAX);
 
 static __always_inline u32 sandbox_tag(void)
 {
@@ -132,6 +174,74 @@ static __always_inline struct event *new_event(u32 tag, u32 kind)
 
 /* --- file changes: stash at entry, record at exit if it succeeded ---------- */
 
+/* FNV-1a of a user string; 0 when it cannot be read. */
+static __always_inline u64 path_hash(const void *upath)
+{
+    int z = 0;
+    struct pathbuf *b = scratch.lookup(&z);
+    if (!b || !upath)
+        return 0;
+    long n = bpf_probe_read_user_str(b->s, sizeof(b->s), upath);
+    if (n <= 0)
+        return 0;
+    u64 h = 14695981039346656037ULL;
+    for (int i = 0; i < PATH_LEN; i++) {
+        if (i >= n)
+            break;
+        h ^= (u8)b->s[i];
+        h *= 1099511628211ULL;
+    }
+    return h | 1; /* never 0 */
+}
+
+static __always_inline u64 epoch_of(u32 tag)
+{
+    int k = tag;
+    u64 *ep = epochs.lookup(&k);
+    return ep ? *ep : 0;
+}
+
+/* Is the user string an absolute path under /dev, /proc or /sys? */
+static __always_inline u32 is_special(const void *upath)
+{
+    char b[8] = {};
+    if (!upath || bpf_probe_read_user_str(b, sizeof(b), upath) <= 0 || b[0] != '/')
+        return 0;
+    if (b[1] == 'd' && b[2] == 'e' && b[3] == 'v' && (b[4] == '/' || b[4] == 0))
+        return 1;
+    if (b[1] == 'p' && b[2] == 'r' && b[3] == 'o' && b[4] == 'c' && (b[5] == '/' || b[5] == 0))
+        return 1;
+    if (b[1] == 's' && b[2] == 'y' && b[3] == 's' && (b[4] == '/' || b[4] == 0))
+        return 1;
+    /* "//dev", "/./dev", ...: not worth parsing here, let userspace decide */
+    if (b[1] == '/' || b[1] == '.')
+        return 1;
+    return 0;
+}
+
+/* May one more plain file event of this turn go to the ring buffer? */
+static __always_inline int may_emit(u32 tag, u32 kind)
+{
+    int k = tag;
+    struct emit_count *c = emitted.lookup(&k);
+    if (!c)
+        return 1;
+    u64 epoch = epoch_of(tag);
+    if (c->epoch != epoch) {
+        c->epoch = epoch;
+        c->n = 0;
+    }
+    if (c->n < FILE_EMIT_LIMIT) {
+        c->n += 1;
+        return 1;
+    }
+    int idx = tag * FILE_KINDS_MAX + (kind & (FILE_KINDS_MAX - 1));
+    u64 *s = suppressed.lookup(&idx);
+    if (s)
+        *s += 1;
+    return 0;
+}
+
 static __always_inline int stash(u32 kind, s32 dfd, const void *path,
                                  s32 dfd2, const void *path2, s64 arg)
 {
@@ -139,6 +249,18 @@ static __always_inline int stash(u32 kind, s32 dfd, const void *path,
     if (!tag)
         return 0;
     struct pending p = {};
+    u64 pt = bpf_get_current_pid_tgid();
+    if (kind != EV_UNLINK && kind != EV_RMDIR && !path2) {
+        p.hash = path_hash(path);
+        struct seen_key k = {tag, (u32)(pt >> 32), dfd, kind, p.hash};
+        u64 *v = seen.lookup(&k);
+        if (v && *v == epoch_of(tag))
+            return 0; /* already recorded this turn */
+        p.dedup = 1;
+    } else if (kind == EV_UNLINK || kind == EV_RMDIR) {
+        p.hash = path_hash(path);
+    }
+    p.special = is_special(path) || is_special(path2);
     p.kind = kind;
     p.tag = tag;
     p.dfd = dfd;
@@ -146,8 +268,7 @@ static __always_inline int stash(u32 kind, s32 dfd, const void *path,
     p.arg = arg;
     p.path = (u64)path;
     p.path2 = (u64)path2;
-    u64 tid = bpf_get_current_pid_tgid();
-    if (pending.update(&tid, &p) != 0)
+    if (pending.update(&pt, &p) != 0)
         count_drop(tag);
     return 0;
 }
@@ -162,6 +283,19 @@ static __always_inline int finish(long ret)
     pending.delete(&tid);
     if (ret < 0)
         return 0;
+    struct seen_key k = {q.tag, (u32)(tid >> 32), q.dfd, q.kind, q.hash};
+    if (q.dedup) {
+        u64 epoch = epoch_of(q.tag);
+        seen.update(&k, &epoch);
+    } else if (q.hash) {
+        /* a deletion: the path's next create must be seen again */
+        k.kind = EV_OPEN_WRITE;
+        seen.delete(&k);
+        k.kind = EV_MKDIR;
+        seen.delete(&k);
+    }
+    if (!q.special && !may_emit(q.tag, q.kind))
+        return 0;
     struct event *e = new_event(q.tag, q.kind);
     if (!e)
         return 0;
@@ -173,7 +307,7 @@ static __always_inline int finish(long ret)
         bpf_probe_read_user_str(e->path, sizeof(e->path), (void *)q.path);
     if (q.path2)
         bpf_probe_read_user_str(e->path2, sizeof(e->path2), (void *)q.path2);
-    events.ringbuf_submit(e, 0);
+    events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
     return 0;
 }
 
@@ -292,7 +426,7 @@ static __always_inline int simple_event(u32 kind, s32 dfd, const void *path,
         bpf_probe_read_user_str(e->path, sizeof(e->path), path);
     if (path2)
         bpf_probe_read_user_str(e->path2, sizeof(e->path2), path2);
-    events.ringbuf_submit(e, 0);
+    events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
     return 0;
 }
 
@@ -371,7 +505,7 @@ static __always_inline int sock_event(u32 kind, const void *sa, s64 arg)
         }
         e->port = (port >> 8) | ((port & 0xff) << 8);
     }
-    events.ringbuf_submit(e, 0);
+    events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
     return 0;
 }
 
@@ -424,7 +558,7 @@ static __always_inline int exec_attempt(s32 dfd, const char *filename, const cha
         bpf_probe_read_user_str(&e->path2[i * ARG_LEN], ARG_LEN, a);
         e->nargs = i + 1;
     }
-    events.ringbuf_submit(e, 0);
+    events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
     return 0;
 }
 TRACEPOINT_PROBE(syscalls, sys_enter_execve)
@@ -445,7 +579,7 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
     if (!e)
         return 0;
     e->arg = args->old_pid;
-    events.ringbuf_submit(e, 0);
+    events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
     return 0;
 }
 
@@ -463,7 +597,7 @@ TRACEPOINT_PROBE(sched, sched_process_fork)
     if (!e)
         return 0;
     e->arg = child;
-    events.ringbuf_submit(e, 0);
+    events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
     return 0;
 }
 
@@ -482,6 +616,6 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
     struct event *e = new_event(tag, EV_EXIT);
     if (!e)
         return 0;
-    events.ringbuf_submit(e, 0);
+    events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
     return 0;
 }

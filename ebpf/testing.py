@@ -46,6 +46,8 @@ class FakeLoader:
         self.writes: dict[int, int] = {}
         self.dropped: dict[int, int] = {}
         self.fail_open: Exception | None = None
+        self.epochs: dict[int, int] = {}
+        self.suppressed: dict[int, dict[int, int]] = {}
 
     def program(self) -> str:
         return program_text(self.mode == "bpf-pids")
@@ -75,6 +77,17 @@ class FakeLoader:
     def emit(self, *events: Event, ts: int | None = None) -> None:
         for ev in events:
             self.queue.append(replace(ev, ts=ts) if ts is not None else ev)
+
+    def suppressed_counts(self, tag: int) -> dict[int, int]:
+        return dict(self.suppressed.get(tag, {}))
+
+    def suppress(self, tag: int, kind: int, n: int = 1) -> None:
+        """Pretend the kernel counted `n` file events of `kind` without sending them."""
+        d = self.suppressed.setdefault(tag, {})
+        d[kind] = d.get(kind, 0) + n
+
+    def next_epoch(self, tag: int) -> None:
+        self.epochs[tag] = self.epochs.get(tag, 0) + 1
 
     def count_writes(self, tag: int, n: int = 1) -> None:
         self.writes[tag] = self.writes.get(tag, 0) + n

@@ -142,15 +142,65 @@ def test_nested_cgroup_is_attributed(inspector, cell):
 
 
 def test_dropped_events_are_visible_and_force_fs_proc(inspector, cell):
-    """Stop draining (hold the poll lock) while a turn floods the 4 MiB ring."""
+    """Stop draining (hold the poll lock) while a turn floods the 4 MiB ring
+    with events the kernel never only counts (writes under /dev)."""
     sid = cell.name
+    shm = f"/dev/shm/{cell.name}"
     inspector.watch(sid, cell.cgroup)
     try:
         with inspector._poll_lock:  # noqa: SLF001 - the test stands in for a slow consumer
-            cell.run("python3 -c \"import os\nfor i in range(20000): os.close(os.open('f%d' % (i % 50), os.O_WRONLY | os.O_CREAT))\"")
+            r = cell.run(f"mkdir {shm} && python3 -c \"import os\n"
+                         f"for i in range(20000): os.close(os.open('{shm}/f%d' % i, os.O_WRONLY | os.O_CREAT))\"")
         e = inspector.end_turn(sid)
     finally:
         inspector.unwatch(sid)
+        subprocess.run(["rm", "-rf", shm], check=True)
+    assert r.returncode == 0, r.stderr
     assert e.dropped_events > 0
     assert e.external_unknown
     assert classify(e).kind is PlanKind.FS_PROC
+
+
+def test_untar_sized_turn_is_counted_not_flooded(inspector, cell):
+    sid = cell.name
+    inspector.watch(sid, cell.cgroup)
+    try:
+        r = cell.run("python3 -c \"import os\nos.mkdir('t')\n"
+                     "for i in range(5000): os.close(os.open('t/f%d' % i, os.O_WRONLY | os.O_CREAT))\"")
+        e = inspector.end_turn(sid)
+    finally:
+        inspector.unwatch(sid)
+    assert r.returncode == 0, r.stderr
+    assert e.dropped_events == 0
+    assert e.files["write"].count == 5000
+    assert len(e.files["write"].sample) == 16
+    assert classify(e).kind is PlanKind.FS
+
+
+EXCL = "os.O_WRONLY | os.O_CREAT | os.O_EXCL"
+
+
+@pytest.mark.parametrize("script,label", [
+    # create, delete, create again: the file exists at the end
+    (f"os.close(os.open('x', {EXCL})); os.unlink('x'); os.close(os.open('x', {EXCL}))", "FS"),
+    # three create-delete pairs: nothing left
+    (f"exec('for _ in range(3): os.close(os.open(\\'x\\', {EXCL})); os.unlink(\\'x\\')')", "SKIP"),
+    # 5000 opens of 10 names: deduplicated in the kernel, still FS
+    ("exec('for i in range(5000): os.close(os.open(\\'f%d\\' % (i % 10), os.O_WRONLY | os.O_CREAT))')", "FS"),
+])
+def test_kernel_dedup_never_hides_a_change(inspector, cell, script, label):
+    sid = cell.name
+    inspector.watch(sid, cell.cgroup)
+    try:
+        before = tree_state(cell.scratch)
+        r = cell.run(f"python3 -c \"import os; {script}\"")
+        e = inspector.end_turn(sid)
+        changed = before != tree_state(cell.scratch)
+    finally:
+        inspector.unwatch(sid)
+    assert r.returncode == 0, r.stderr
+    assert changed == (label == "FS")
+    assert classify(e).kind.value == label, classify(e).reasons
+    assert e.dropped_events == 0
+    if "5000" in script:
+        assert e.files["write"].count == 10

@@ -333,3 +333,23 @@ def test_outside_paths_do_not_count(env):
     e = insp.end_turn("x")
     assert e.special_writes["outside"].count == 1
     assert e.special_writes["tmpfs"].sample == ["/dev/.crabdX"]
+
+
+def test_kernel_counted_events_add_to_counts_per_turn(env):
+    insp, loader, procs, tag = env
+    loader.emit(ev(K.OPEN_WRITE, tag, path="/app/a", arg=O_WRONLY))
+    loader.suppress(tag, int(K.OPEN_WRITE), 5000)
+    loader.suppress(tag, int(K.UTIMES), 10)
+    e = insp.end_turn("sb")
+    assert e.files["write"].count == 5001 and e.files["write"].sample == ["/app/a"]
+    assert e.files["utimes"].count == 10 and e.files["utimes"].sample == []
+    assert any("5010 file events" in n for n in e.notes)
+    assert classify(e).kind is PlanKind.FS
+    assert insp.end_turn("sb").file_changes == 0  # deltas, not totals
+
+
+def test_epoch_moves_at_every_turn_end(env):
+    insp, loader, procs, tag = env
+    insp.end_turn("sb")
+    insp.end_turn("sb")
+    assert loader.epochs[tag] == 2
