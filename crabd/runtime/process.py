@@ -125,18 +125,19 @@ def checkpoint_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, check
     sandbox frozen from the start of `fs_commit` until the dump is done.
 
     On a CRIU refusal raises deltacr.CriuFailed (CRIU's reasons, the log kept
-    in store.log_dir(checkpoint_id)); the sandbox keeps running as it was."""
+    in store.log_dir(checkpoint_id)); the sandbox keeps running as it was.
+    If `fs_commit` had succeeded, the error's `.fs_result` holds what it
+    returned (a file-system checkpoint without its processes)."""
     sb = _running(rt, sandbox_ref)
     if store.exists(checkpoint_id):
         raise AlreadyExists(f"checkpoint {checkpoint_id!r} already has a process image")
+    init_pid = sb.pid
+    _check_init_stdio(sb, init_pid)
     freezer = Freezer(rt.layout, sb.cgroup_rel)
     was_frozen = freezer.state() == "FROZEN"
+    runc = _runc(rt)
     work = store.tmpdir("dump-")
     img, logs = work / "image", work / "work"
-    runc = _runc(rt)
-    init_pid = sb.pid
-
-    _check_init_stdio(sb, init_pid)
 
     def dump() -> float:
         _check_tree(sb, freezer.dir / "cgroup.procs", init_pid)
