@@ -59,7 +59,12 @@ def _build_wrapper(d: Path, criu: str) -> str:
     d.mkdir(parents=True, exist_ok=True)
     so = d / "criu_sockopt_shim.so"
     wrapper = d / "criu"
-    src = _SHIM_SRC.read_bytes()
+    try:
+        src = _SHIM_SRC.read_bytes()
+    except FileNotFoundError:
+        raise CriuUnavailable(f"CRIU < 4.2 on Linux >= 6.16 needs deltacr's socket-option shim, and its source "
+                              f"{_SHIM_SRC} is not installed", missing=[str(_SHIM_SRC)],
+                              fix="install crabd with deltacr's package data (*.c), or CRIU 4.2 or newer") from None
     stamp = d / "criu_sockopt_shim.src"
     if not so.exists() or not stamp.exists() or stamp.read_bytes() != src:
         cc = shutil.which("cc") or shutil.which("gcc")
