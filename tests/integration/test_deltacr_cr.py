@@ -190,6 +190,16 @@ def _reap_orphaned_shells():
         time.sleep(0.01)
 
 
+def wait_for(get, expect, timeout=10.0):
+    """Poll `get()` until it returns `expect` (or the timeout); return the last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = get()
+        if v == expect or time.monotonic() > deadline:
+            return v
+        time.sleep(0.02)
+
+
 def freezer_state(rt, sb):
     return (rt.layout.freezer_dir(sb.cgroup_rel) / "freezer.state").read_text().strip()
 
@@ -226,34 +236,28 @@ def test_shell_pipeline_of_two_processes_rolls_back(cr_runtime, busybox_image, m
     sh(rt, sb, "({ i=1; echo $i; while :; do if read _ < /step; then i=$((i+1)); echo $i; fi; done; } | "
                "while read n; do echo $n > /data/last; done) </dev/null >/dev/null 2>&1 &")
 
-    def step():
-        sh(rt, sb, "echo > /step")
-        time.sleep(0.05)
-
     def last():
-        for _ in range(100):
-            out = sh(rt, sb, "cat /data/last 2>/dev/null || true").strip()
-            if out:
-                return out
-            time.sleep(0.02)
-        return ""
+        return sh(rt, sb, "cat /data/last 2>/dev/null || true").strip()
 
-    assert last() == "1"
-    step(), step()
-    assert last() == "3"
+    def step(expect):
+        # One step at a time: a second write could land in the fifo before
+        # the reader re-opens it, and be lost.
+        sh(rt, sb, "echo > /step")
+        assert wait_for(last, expect) == expect
+
+    assert wait_for(last, "1") == "1"
+    step("2"), step("3")
     before = procs(rt, sb)
     assert len([p for p in before if p.endswith(" sh")]) >= 2
     info = checkpoint_processes(rt, sb.id, store, "pipe-1", fs_commit=lambda: snaps.checkpoint(key))
-    step(), step()
-    assert last() == "5"
+    step("4"), step("5")
 
     rollback_fs(rt, sb, snaps, key, info.fs_result)
     restore_processes(rt, sb.id, store, "pipe-1")
 
     assert last() == "3"
     assert procs(rt, sb) == before
-    step()
-    assert last() == "4"  # the producer's memory was rolled back too
+    step("4")  # the producer's memory was rolled back too: it counts on from 3
 
 
 def test_file_open_for_writing_rolls_back_with_its_offset(cr_runtime, busybox_image, make_sandbox, store, fs_store):
@@ -265,13 +269,15 @@ def test_file_open_for_writing_rolls_back_with_its_offset(cr_runtime, busybox_im
     sh(rt, sb, "(exec 3>/data/log; i=0; while :; do if read _ < /step; then i=$((i+1)); echo \"line $i\" >&3; fi; done) "
                "</dev/null >/dev/null 2>&1 &")
 
-    def step(n=1):
-        for _ in range(n):
-            sh(rt, sb, "echo > /step")
-        time.sleep(0.1)
+    def log():
+        return sh(rt, sb, "cat /data/log")
 
-    step(3)
-    assert sh(rt, sb, "cat /data/log") == "line 1\nline 2\nline 3\n"
+    def step(n):
+        sh(rt, sb, "echo > /step")
+        want = "".join(f"line {i}\n" for i in range(1, n + 1))
+        assert wait_for(log, want) == want
+
+    step(1), step(2), step(3)
     before = procs(rt, sb)
     seen = {}
 
@@ -282,19 +288,18 @@ def test_file_open_for_writing_rolls_back_with_its_offset(cr_runtime, busybox_im
     info = checkpoint_processes(rt, sb.id, store, "file-1", fs_commit=fs_commit)
     assert seen["freezer"] == "FROZEN"
     assert freezer_state(rt, sb) == "THAWED"
-    step(2)
+    step(4), step(5)
     sh(rt, sb, "echo scribble >> /data/other")
-    assert sh(rt, sb, "cat /data/log") == "line 1\nline 2\nline 3\nline 4\nline 5\n"
 
     rollback_fs(rt, sb, snaps, key, info.fs_result)
     restore_processes(rt, sb.id, store, "file-1")
 
-    assert sh(rt, sb, "cat /data/log") == "line 1\nline 2\nline 3\n"
+    assert log() == "line 1\nline 2\nline 3\n"
     assert sh(rt, sb, "ls /data") == "log\n"
     assert procs(rt, sb) == before
-    step()
-    # The writer's offset came back with the file: line 4 follows line 3, no hole.
-    assert sh(rt, sb, "cat /data/log") == "line 1\nline 2\nline 3\nline 4\n"
+    # The writer's offset came back with the file: line 4 follows line 3, no
+    # hole, and its counter came back too.
+    step(4)
 
 
 def test_200mb_heap_rolls_back(cr_runtime, debian_image, make_sandbox, store):
