@@ -37,7 +37,7 @@ from typing import Any, Iterator
 
 from .errors import FailedPrecondition
 from .metadata import Row
-from .mount import Mount, is_mountpoint, unmount
+from .mount import Mount, is_mountpoint, mountinfo, unmount
 from .snapshotter import Kind, Snapshotter, _failpoint
 from .tree import O_DIR
 
@@ -249,6 +249,17 @@ class BtrfsSnapshotter(Snapshotter):
                 raise OSError(e, f"syncfs {self._path(row.id)}: {os.strerror(e)}")
         finally:
             os.close(fd)
+
+    def _mounted_at(self, row: Row) -> list[str]:
+        # A bind mount of the subvolume shows up with the pool's device and the
+        # subvolume's path inside the file system as its mountinfo root. (stat's
+        # st_dev cannot be used: btrfs gives each subvolume its own.)
+        table = mountinfo()
+        path = os.path.realpath(self._path(row.id))
+        home = max((m for m in table if path == m.target or path.startswith(m.target.rstrip("/") + "/")),
+                   key=lambda m: len(m.target))
+        inside = os.path.normpath(os.path.join(home.root, os.path.relpath(path, home.target)))
+        return [m.target for m in table if m.dev == home.dev and m.root == inside and m is not home]
 
     def _sync_paths(self) -> list[str]:
         return [self.state_dir, self.root] if self.root != self.state_dir else [self.state_dir]

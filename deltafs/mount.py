@@ -12,10 +12,11 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import re
 import threading
 from dataclasses import dataclass, field
 
-__all__ = ["Mount", "mount_all", "unmount", "is_mountpoint", "MountError"]
+__all__ = ["Mount", "mount_all", "unmount", "is_mountpoint", "MountError", "MountInfo", "mountinfo"]
 
 # mount(2) flags used here (linux/mount.h).
 MS_RDONLY = 0x1
@@ -129,6 +130,35 @@ def unmount(target: str, detach: bool = False, background: bool = False) -> None
         raise MountError(e, f"umount {target}: {os.strerror(e)}")
     if ref >= 0:
         threading.Thread(target=os.close, args=(ref,), name="deltafs-unmount", daemon=True).start()
+
+
+@dataclass(frozen=True)
+class MountInfo:
+    """One line of /proc/self/mountinfo (the fields deltafs needs)."""
+
+    dev: str  # "major:minor" of the mounted file system
+    root: str  # path inside that file system mounted here (a bind mount's source)
+    target: str
+    fstype: str
+    source: str
+    super_options: str
+
+
+def _unescape(field: str) -> str:
+    # mountinfo escapes space, tab, newline and backslash as \ooo octal.
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def mountinfo() -> list[MountInfo]:
+    """This process's mount table."""
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.rstrip("\n").partition(" - ")
+            a, b = left.split(" "), right.split(" ")
+            out.append(MountInfo(dev=a[2], root=_unescape(a[3]), target=_unescape(a[4]), fstype=b[0],
+                                 source=_unescape(b[1]), super_options=b[2] if len(b) > 2 else ""))
+    return out
 
 
 def is_mountpoint(path: str) -> bool:

@@ -39,7 +39,7 @@ from typing import Any, Iterator
 from .errors import FailedPrecondition
 from .layers import LayerEntry, check_layer_path, merge_plan, overlay_mount
 from .metadata import Row
-from .mount import Mount, mount_all, unmount
+from .mount import Mount, mount_all, mountinfo, unmount
 from .snapshotter import Kind, Snapshotter, Usage, _failpoint
 from .tree import O_DIR, Copier, copy_root_meta, remove_tree, walk_fd
 
@@ -253,6 +253,11 @@ class OverlaySnapshotter(Snapshotter):
             return [overlay_mount(self._lowers(self._chain(self.meta.by_id(row.parent))))]
         d = self._active_dir(row.id)
         return [overlay_mount(self._lowers(row.extra["lowers"]), os.path.join(d, "u"), os.path.join(d, "w"))]
+
+    def _mounted_at(self, row: Row) -> list[str]:
+        upper = "upperdir=" + os.path.join(self._active_dir(row.id), "u")
+        return [m.target for m in mountinfo() if m.fstype == "overlay"
+                and any(o == upper for o in m.super_options.split(","))]
 
     def _load_manifest(self, row: Row) -> Node | None:
         m = row.extra.get("manifest")

@@ -230,6 +230,10 @@ class Snapshotter(abc.ABC):
     def _prepare_checkpoint(self, row: Row) -> None:
         """Driver hook for `prepare_checkpoint`; default: nothing to do."""
 
+    def _mounted_at(self, row: Row) -> list[str]:
+        """Where an active snapshot is mounted in this mount namespace; default: unknown."""
+        return []
+
     def _usage(self, row: Row, parent: Row | None) -> Usage:
         """Default: allocated bytes of entries added or modified relative to the parent."""
         new = self._tree(row)
@@ -368,12 +372,16 @@ class Snapshotter(abc.ABC):
             return diff_entries(old, self._tree(self.meta.get(b)))
 
     def remove(self, key: str) -> None:
-        """Remove any snapshot; refuses while another snapshot has it as parent.
-
-        Unmount an active or view before removing it: its files are deleted.
-        """
+        """Remove any snapshot; refuses while another snapshot has it as parent, or while
+        an active one is still mounted (its files are deleted)."""
         with self._lock:
             row = self.meta.get(key)
+            if row.kind == Kind.ACTIVE:
+                where = self._mounted_at(row)
+                if where:
+                    raise FailedPrecondition(
+                        f"cannot remove {key!r}: it is mounted at {', '.join(where)}; stop its sandbox and "
+                        "unmount it first (deltafs.unmount(target, background=True))")
             kids = self.meta.children(row.id)
             if kids:
                 users = ", ".join(f"{k.name} ({k.kind})" for k in kids[:10])

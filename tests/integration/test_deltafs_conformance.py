@@ -478,3 +478,18 @@ def test_checkpoint_after_losing_the_manifest_is_still_exact(env):
     fp = fingerprint(t)
     r = m.mount(s.prepare("r", parent=n2))
     assert fingerprint(r) == fp and not os.path.exists(f"{r}/a")
+
+
+# 29
+def test_remove_refuses_a_mounted_active_and_background_unmount_frees_it(env):
+    s, m = env
+    image(s, m)
+    t = m.mount(s.prepare("sb", parent="img"))
+    write(f"{t}/f", "x")
+    with pytest.raises(deltafs.FailedPrecondition, match="mounted at"):
+        s.remove("sb")
+    deltafs.unmount(t, background=True)  # returns at once; teardown in a thread
+    m.targets.remove(t)
+    assert not deltafs.is_mountpoint(t)
+    s.remove("sb")
+    assert s.gc() == [] or all("trash" in p for p in s.gc())
