@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 
+from ebpf._bcc import bpf_problem
 from ebpf.classifier import Plan, PlanKind, classify
 from ebpf.effects import SCHEMA_VERSION, Connections, Effects, ExecRecord, ProcessRecord, Sample, SocketRecord
 from ebpf.errors import AlreadyWatched, BPFUnavailable, InspectorError, NotWatched
@@ -37,6 +38,7 @@ __all__ = [
     "ProcessRecord",
     "Sample",
     "SocketRecord",
+    "bpf_problem",
     "classify",
     "open_inspector",
 ]

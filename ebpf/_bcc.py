@@ -38,6 +38,26 @@ def kernel_headers_problem() -> str | None:
     return f"{source} does not hold kernel sources (include/linux/kconfig.h); fix: {fix}"
 
 
+def bpf_problem() -> str | None:
+    """Why the BPF inspector cannot load here, with the fix; None when it can
+    (as far as can be told without compiling: root, bcc, headers, tracefs)."""
+    if os.geteuid() != 0:
+        return "loading BPF programs needs root (CAP_BPF and CAP_PERFMON)"
+    try:
+        import bcc  # noqa: F401
+    except ImportError as e:
+        return (f"cannot import bcc ({e}); fix: apt-get install python3-bpfcc and make it importable "
+                f"(scripts/setup-host does both for the project venv)")
+    if "BCC_KERNEL_SOURCE" not in os.environ:
+        problem = kernel_headers_problem()
+        if problem:
+            return problem
+    if not any(Path(p).is_dir() for p in ("/sys/kernel/tracing/events/syscalls",
+                                          "/sys/kernel/debug/tracing/events/syscalls")):
+        return "tracefs is not mounted; fix: mount -t tracefs tracefs /sys/kernel/tracing"
+    return None
+
+
 class BccLoader:
     """Compile and attach the inspector program with bcc (needs root)."""
 
@@ -57,22 +77,11 @@ class BccLoader:
     def open(self) -> None:
         if self._bpf is not None:
             return
-        if os.geteuid() != 0:
-            raise BPFUnavailable("loading BPF programs needs root (CAP_BPF and CAP_PERFMON)")
-        try:
-            from bcc import BPF  # Debian's python3-bpfcc
-        except ImportError as e:
-            raise BPFUnavailable(
-                f"cannot import bcc ({e}); fix: apt-get install python3-bpfcc and make it "
-                f"importable (scripts/setup-host does both for the project venv)"
-            ) from e
-        problem = kernel_headers_problem()
-        if problem and "BCC_KERNEL_SOURCE" not in os.environ:
+        problem = bpf_problem()
+        if problem:
             raise BPFUnavailable(problem)
-        if not Path("/sys/kernel/tracing/events/syscalls").is_dir() and not Path(
-            "/sys/kernel/debug/tracing/events/syscalls"
-        ).is_dir():
-            raise BPFUnavailable("tracefs is not mounted; fix: mount -t tracefs tracefs /sys/kernel/tracing")
+        from bcc import BPF  # Debian's python3-bpfcc
+
         try:
             bpf = BPF(text=self.program().encode(), cflags=["-w"])  # the kernel headers warn a lot
             bpf[b"events"].open_ring_buffer(self._on_event)
