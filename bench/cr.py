@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from crabd.runtime import Runtime  # noqa: E402
 from crabd.runtime.process import (CheckpointableRunner, checkpoint_processes, discard_standby,  # noqa: E402
                                    list_standbys, prepare_standby, promote_standby, restore_processes)
+from crabd.runtime.process import _scratch  # noqa: E402
 from deltacr import ImageStore  # noqa: E402
 from deltafs import Mount  # noqa: E402
 
@@ -137,7 +138,7 @@ def scenario(rt: Runtime, name: str, image: str, start, n_ck: int, n_rs: int, ba
             restore_processes(rt, sb.id, store, last)
             restores.append((time.monotonic() - t) * 1e3)
         t = time.monotonic()
-        stage = store.tmpdir("bench-")
+        stage = _scratch(store, "bench-", store.manifest(last).raw_bytes)  # where restores stage it
         store.get(last, stage)
         stage_ms = (time.monotonic() - t) * 1e3
         shutil.rmtree(stage)

@@ -37,6 +37,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,7 +54,7 @@ from .cgroups import Freezer
 from .sandbox import Runtime, Sandbox
 
 __all__ = ["ProcessCheckpoint", "Standby", "checkpoint_processes", "restore_processes", "rollback_processes",
-           "prepare_standby", "promote_standby", "discard_standby", "list_standbys", "make_room_for_standby",
+           "prepare_standby", "promote_standby", "discard_standby", "list_standbys", "make_room_for_standby", "gc_scratch",
            "CheckpointableRunner"]
 
 
@@ -136,7 +137,7 @@ def checkpoint_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, check
     freezer = Freezer(rt.layout, sb.cgroup_rel)
     was_frozen = freezer.state() == "FROZEN"
     runc = _runc(rt)
-    work = store.tmpdir("dump-")
+    work = _scratch(store, "dump-", _rss_bytes(freezer.dir / "cgroup.procs"))
     img, logs = work / "image", work / "work"
 
     def dump() -> float:
@@ -161,6 +162,56 @@ def checkpoint_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, check
         shutil.rmtree(work, ignore_errors=True)
     return ProcessCheckpoint(checkpoint_id, sb.id, m.raw_bytes, cap.pause_seconds * 1e3, cap.fs_seconds * 1e3,
                              cap.dump_seconds * 1e3, store_s * 1e3, cap.fs_result, m.digest)
+
+
+# Scratch space for CRIU images on their way into or out of the store: a
+# tmpfs when it has room (CRIU and the store then never wait on disk
+# writeback; measured: staging 200 MiB took 0.28-0.38 s on /dev/shm against
+# 0.49-0.64 s on the state dir's disk here), else the store's own tmp/.
+_TMPFS = Path("/dev/shm")
+
+
+def _scratch(store: ImageStore, prefix: str, need_bytes: int) -> Path:
+    try:
+        st = os.statvfs(_TMPFS)
+        room = st.f_bavail * st.f_frsize
+        with open("/proc/meminfo") as f:
+            avail = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
+        if room > 2 * need_bytes + (64 << 20) and avail > 4 * need_bytes + (256 << 20):
+            return Path(tempfile.mkdtemp(prefix=f"crabd-cr-{prefix}", dir=_TMPFS))
+    except (OSError, StopIteration, ValueError):
+        pass
+    return store.tmpdir(prefix)
+
+
+def gc_scratch(grace: float = 3600.0) -> int:
+    """Remove scratch dirs a crashed crabd left on the tmpfs; returns how many."""
+    n = 0
+    now = time.time()
+    for d in _TMPFS.glob("crabd-cr-*"):
+        try:
+            if now - d.lstat().st_mtime >= grace and d.is_dir() and not d.is_symlink():
+                shutil.rmtree(d, ignore_errors=True)
+                n += 1
+        except FileNotFoundError:
+            pass
+    return n
+
+
+def _rss_bytes(procs_file: Path) -> int:
+    """Resident memory of the tasks in a cgroup: about what a dump writes."""
+    total = 0
+    try:
+        pids = procs_file.read_text().split()
+    except OSError:
+        return 1 << 30
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                total += next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmRSS:")), 0)
+        except OSError:
+            pass
+    return total
 
 
 def _ppid_comm(pid: int) -> tuple[int, str]:
@@ -242,7 +293,7 @@ def restore_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, checkpoi
     deltacr.ImageCorrupted and the sandbox stays as it was."""
     sb = rt.get(sandbox_ref)
     ropts = opts or _restore_opts(store, checkpoint_id)
-    image = store.tmpdir("image-")
+    image = _scratch(store, "image-", store.manifest(checkpoint_id).raw_bytes)
     runc = _runc(rt)
     try:
         store.get(checkpoint_id, image)          # verifies everything first
@@ -325,7 +376,7 @@ def prepare_standby(rt: Runtime, sandbox_ref: str, store: ImageStore, checkpoint
     (d / "bundle" / "config.json").write_text(json.dumps(cfg, indent=2))
     st = Standby(sb.id, checkpoint_id, token, d, list(root), 0,
                  sum(f.size for f in m.files if f.name.startswith("pages-")), time.time())
-    image = store.tmpdir("image-")
+    image = _scratch(store, "image-", m.raw_bytes)
     try:
         store.get(checkpoint_id, image)
         mount_all(st.root, str(st.bundle / "rootfs"))
