@@ -74,6 +74,11 @@ class SubprocessCommandRunner:
         try:
             while True:
                 exited = p.poll() is not None
+                if not exited and time.monotonic() - start > timeout:
+                    timed_out = True
+                    p.send_signal(signal.SIGKILL)
+                    p.wait()
+                    break
                 if open_:
                     events = sel.select(timeout=0 if exited else 0.002)
                     if events:
@@ -89,11 +94,6 @@ class SubprocessCommandRunner:
                                 out += chunk[: self.MAX_OUTPUT - len(out)]
                             continue
                 if exited:
-                    break
-                if time.monotonic() - start > timeout:
-                    timed_out = True
-                    p.send_signal(signal.SIGKILL)
-                    p.wait()
                     break
                 if not open_:
                     time.sleep(0.001)
