@@ -16,7 +16,7 @@ import logging
 from ebpf._bcc import bpf_problem
 from ebpf.classifier import Plan, PlanKind, classify
 from ebpf.effects import SCHEMA_VERSION, Connections, Effects, ExecRecord, ProcessRecord, Sample, SocketRecord
-from ebpf.errors import AlreadyWatched, BPFUnavailable, InspectorError, NotWatched
+from ebpf.errors import AlreadyWatched, BPFUnavailable, InspectorError, InvalidArgument, NotWatched
 from ebpf.fallback import ChangeProbe, ProcInspector
 from ebpf._inspector import Inspector, Loader
 
@@ -30,6 +30,7 @@ __all__ = [
     "ExecRecord",
     "Inspector",
     "InspectorError",
+    "InvalidArgument",
     "Loader",
     "NotWatched",
     "Plan",

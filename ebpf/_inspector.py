@@ -36,7 +36,7 @@ from ebpf._events import MAX_TAGS, Event
 from ebpf._proc import HostProcessTable, ProcessTable, ProcInfo
 from ebpf._turn import DEFAULT_STATELESS, TurnRecorder
 from ebpf.effects import MAX_SAMPLES, Effects
-from ebpf.errors import AlreadyWatched, BPFUnavailable, NotWatched
+from ebpf.errors import AlreadyWatched, BPFUnavailable, InvalidArgument, NotWatched
 
 UNIFIED_ROOT = Path("/sys/fs/cgroup/unified")
 
@@ -78,10 +78,16 @@ def cgroup_identity(cgroup_path: Path, mounts: list[Path] | None = None) -> tupl
     """(cgroup v2 id, level) of a cgroup directory: the id is its inode
     number, the level its depth below the hierarchy's root (root = 0)."""
     p = cgroup_path.resolve()
-    for m in sorted(mounts if mounts is not None else cgroup2_mounts(), key=lambda x: -len(x.parts)):
+    mounts = mounts if mounts is not None else cgroup2_mounts()
+    for m in sorted(mounts, key=lambda x: -len(x.parts)):
         if p == m or m in p.parents:
-            return os.stat(p).st_ino, len(p.parts) - len(m.parts)
-    raise BPFUnavailable(f"{cgroup_path} is not in a cgroup v2 hierarchy (mounted: {mounts})")
+            try:
+                return os.stat(p).st_ino, len(p.parts) - len(m.parts)
+            except OSError as e:
+                raise InvalidArgument(f"cgroup {cgroup_path}: {e.strerror}") from e
+    raise InvalidArgument(
+        f"{cgroup_path} is not in a cgroup v2 hierarchy (mounted: {', '.join(map(str, mounts)) or 'none'})"
+    )
 
 
 def default_loader() -> Loader:
@@ -151,6 +157,7 @@ class Inspector:
             return
         self._loader.open()
         self._opened = True
+        self._stop.clear()
         if self._poll_interval is not None:
             self._thread = threading.Thread(target=self._poll_loop, name="ebpf-inspector", daemon=True)
             self._thread.start()
@@ -224,6 +231,9 @@ class Inspector:
                 dropped_base=self._loader.dropped_count(tag),
                 suppressed_base=self._loader.suppressed_counts(tag),
             )
+            # a tag may be reused: a new epoch keeps the kernel's per-turn
+            # dedup entries of its previous sandbox from matching
+            self._loader.next_epoch(tag)
             if cgid is not None:
                 self._loader.add_cgroup(cgid, level, tag)
             else:

@@ -4,7 +4,8 @@
     ├── BPFUnavailable             BPF cannot be used on this host (the message says why
     │                              and how to fix it); callers fall back to ProcInspector
     ├── NotWatched                 unknown sandbox id
-    └── AlreadyWatched             sandbox id or cgroup already watched
+    ├── AlreadyWatched             sandbox id or cgroup already watched
+    └── InvalidArgument            e.g. a cgroup path that is not a cgroup v2 directory
 
 bcc's own exceptions are converted to BPFUnavailable where they enter (ebpf._bcc).
 """
@@ -29,3 +30,7 @@ class NotWatched(InspectorError, KeyError):
 
 class AlreadyWatched(InspectorError):
     """The sandbox (or its cgroup) is already watched."""
+
+
+class InvalidArgument(InspectorError, ValueError):
+    """An argument the inspector cannot use (the message says which and why)."""

@@ -352,4 +352,15 @@ def test_epoch_moves_at_every_turn_end(env):
     insp, loader, procs, tag = env
     insp.end_turn("sb")
     insp.end_turn("sb")
-    assert loader.epochs[tag] == 2
+    assert loader.epochs[tag] == 3  # watch, then two turn ends
+
+
+def test_cgroup_outside_a_v2_hierarchy_is_invalid(tmp_path, monkeypatch):
+    import ebpf._inspector as mod
+    from ebpf import InvalidArgument
+    monkeypatch.setattr(mod, "cgroup2_mounts", lambda: [tmp_path / "cg2"])
+    insp = Inspector(FakeLoader(mode="bpf-cgroup"), processes=FakeProcessTable(), poll_interval=None)
+    with pytest.raises(InvalidArgument, match="not in a cgroup v2 hierarchy"):
+        insp.watch("x", tmp_path / "elsewhere")
+    with pytest.raises(InvalidArgument, match="No such file"):
+        insp.watch("x", tmp_path / "cg2" / "missing")
