@@ -26,14 +26,17 @@ Worked example (what crabd's runtime does per sandbox)::
     ... turn 1 ...
     s.prepare_checkpoint("sb1")                  # during the LLM wait: writeback
     freeze; n1 = s.checkpoint("sb1"); thaw      # "sb1@7": turn 1, committed
+    s.sync()                                     # durable
     ... turn 2, agent breaks things ...
-    stop container; unmount(rootfs); s.remove("sb1")
+    stop container; unmount(rootfs, background=True); s.remove("sb1")
     mount_all(s.prepare("sb1", parent=n1), rootfs)   # rollback: runc create again
     mount_all(s.prepare("sb1-fork", parent=n1), rootfs2)  # fork: independent
 
 Mount specs are returned as data (`deltafs.mount.Mount`); `mount_all`
-performs them. All public methods are serialised by one lock, and one
-process at a time owns a state directory (flock on ``state_dir/lock``).
+performs them. All public methods are serialised by one lock (an overlay
+capture of one sandbox delays another's checkpoint: crabd's scheduler
+decides the order), and one process at a time owns a state directory
+(flock on ``state_dir/lock``).
 """
 
 from __future__ import annotations
