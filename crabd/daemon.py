@@ -79,7 +79,11 @@ class Daemon:
         os.chmod(self.state_dir, 0o700)
         self.options = options or DaemonOptions()
         self.store = Store(self.state_dir)
-        self.runtime = Runtime(self.state_dir)
+        from deltacr import ImageStore
+        from .runtime.process import CheckpointableRunner
+        # The init's output on a pipe (not a host file): CRIU can dump that.
+        self.runtime = Runtime(self.state_dir, runner=CheckpointableRunner())
+        self.images = ImageStore(self.state_dir / "cr")
         self.fs = self._open_fs()
         self.inspector = inspector if inspector is not None else self._open_inspector()
         from .metrics import Metrics
@@ -231,8 +235,16 @@ class Daemon:
         key = f"root-{secrets.token_hex(6)}"
         mounts = self.fs.prepare(key, parent=parent_snapshot)
         try:
-            sb = self.runtime.create(image, name=name, limits=limits, root=mounts)
+            sb = self.runtime.create(image, name=name, limits=limits, root=mounts, start=False)
+            if base_checkpoint is not None:
+                self._start_from(sb.id, base_checkpoint)
+            else:
+                self.runtime.start(sb.id)
         except BaseException:
+            try:
+                self.runtime.destroy(sb.id)  # type: ignore[possibly-undefined]
+            except Exception:
+                pass
             self.fs.remove(key)
             raise
         try:
@@ -246,7 +258,8 @@ class Daemon:
                     branch=0, turn=0, plan="FS",
                     reasons=["the sandbox's initial state" + (f" (fork of {base_checkpoint.id})" if base_checkpoint else
                                                               f" (image {image})")],
-                    fs_snapshot=parent_snapshot, proc_image=None, state="committed"))
+                    fs_snapshot=parent_snapshot,
+                    proc_image=base_checkpoint.proc_image if base_checkpoint else None, state="committed"))
             self._watch(sb.id)
         except BaseException:
             self.runtime.destroy(sb.id)
@@ -292,8 +305,16 @@ class Daemon:
             pass
         snaps = [c.fs_snapshot for c in reversed(self.store.list_checkpoints(row.id, states=("committed", "pending",
                                                                                             "failed")))]
+        images = [c.proc_image for c in self.store.list_checkpoints(row.id, states=("committed", "pending", "failed"))
+                  if c.proc_image]
         self.store.delete_sandbox(row.id)
         self._remove_snapshot(row.fs_key)
+        for img in dict.fromkeys(images):
+            if self.store.proc_image_refs(img) == 0:
+                try:
+                    self.images.remove(img)
+                except Exception as e:
+                    log.info("keeping process image %s: %s", img, e)
         for s in dict.fromkeys(snaps):
             if s and not s.startswith("img-") and self.store.fs_snapshot_refs(s) == 0:
                 self._remove_snapshot(s)
@@ -441,6 +462,8 @@ class Daemon:
         self.fs.prepare_checkpoint(row.fs_key)  # writeback while the sandbox still runs
         d["writeback"] = time.monotonic() - t
         name = f"{ck.id}"
+        if ck.plan == "FS_PROC":
+            return self._capture_proc(ck, row, d, t_start)
         t_freeze = time.monotonic()
         frozen = False
         # The freezer file directly: no runc process on the pause's path.
@@ -466,10 +489,60 @@ class Daemon:
         d["sync"] = time.monotonic() - t
         size = self.fs.usage(name).size
         d["total"] = time.monotonic() - t_start
-        self.store.commit_checkpoint(ck.id, fs_snapshot=name, proc_image=None, bytes=size, durations=d)
+        # An FS turn did not run the sandbox's older processes (the classifier
+        # would have said FS_PROC), so their memory is still the parent's
+        # image: this checkpoint = the parent's processes on the new files.
+        inherited = parent.proc_image if parent is not None else None
+        self.store.commit_checkpoint(ck.id, fs_snapshot=name, proc_image=inherited, bytes=size, durations=d)
         self.metrics.observe_checkpoint({k: v for k, v in d.items() if k in PHASES}, size)
         self._event("checkpoint.committed", ck.sandbox_id, checkpoint=ck.id, plan=ck.plan, bytes=size,
                     pause_ms=round(d["pause"] * 1000, 3))
+
+    def _capture_proc(self, ck: CheckpointRow, row: SandboxRow, d: dict[str, float], t_start: float) -> None:
+        """FS and processes at one instant: frozen from the FS commit to the
+        end of the CRIU dump. A refused dump still leaves a file-system
+        checkpoint (committed, without a process image, with the reason)."""
+        from deltacr import DeltacrError
+        from .runtime.process import checkpoint_processes
+        proc_image: str | None = None
+        error: str | None = None
+        try:
+            info = checkpoint_processes(self.runtime, ck.sandbox_id, self.images, ck.id,
+                                        fs_commit=lambda: self.fs.checkpoint(row.fs_key, name=ck.id))
+            proc_image = ck.id
+            d.update(pause=info.pause_ms / 1000, fs_commit=info.fs_ms / 1000, proc_dump=info.dump_ms / 1000,
+                     store=info.store_ms / 1000)
+            proc_bytes = info.raw_bytes
+        except (DeltacrError, CrabdError) as e:
+            error = str(e)
+            proc_bytes = 0
+            fs_done = getattr(e, "fs_result", None)
+            if fs_done is None:
+                # The dump was refused before the file system was committed
+                # (or the commit itself failed): take the FS checkpoint now.
+                freezer = Freezer(self.runtime.layout, f"/crabd/{ck.sandbox_id}")
+                t = time.monotonic()
+                try:
+                    freezer.freeze()
+                    self.fs.checkpoint(row.fs_key, name=ck.id)
+                finally:
+                    freezer.thaw()
+                d["pause"] = time.monotonic() - t
+        t = time.monotonic()
+        self.fs.sync()
+        d["sync"] = time.monotonic() - t
+        size = self.fs.usage(ck.id).size + proc_bytes
+        d["total"] = time.monotonic() - t_start
+        reasons = list(ck.reasons)
+        if error:
+            reasons.append(f"process image not captured: {error}")
+        self.store.commit_checkpoint(ck.id, fs_snapshot=ck.id, proc_image=proc_image, bytes=size, durations=d,
+                                     reasons=reasons)
+        self.metrics.observe_checkpoint({k: v for k, v in d.items() if k in PHASES}, size)
+        if error:
+            self._event("checkpoint.proc_failed", ck.sandbox_id, checkpoint=ck.id, error=error)
+        self._event("checkpoint.committed", ck.sandbox_id, checkpoint=ck.id, plan=ck.plan, bytes=size,
+                    proc=proc_image is not None, pause_ms=round(d.get("pause", 0) * 1000, 3))
 
     # --- checkpoints -----------------------------------------------------------------------
     def list_checkpoints(self, ref: str, owner: str | None = None, all_states: bool = False) -> list[dict[str, Any]]:
@@ -546,13 +619,23 @@ class Daemon:
         return out
 
     def _latest_committed(self, row: SandboxRow) -> CheckpointRow:
-        """The newest committed checkpoint on the sandbox's current line."""
+        """The newest complete checkpoint on the sandbox's current line.
+
+        Complete = committed, and holding everything its plan asked for: an
+        FS_PROC checkpoint whose CRIU dump failed has the files but not the
+        processes, so recovery prefers an older complete one (an explicit
+        rollback to it is still allowed: files plus a fresh init)."""
         cid: str | None = row.head
+        fallback: CheckpointRow | None = None
         while cid:
             c = self.store.get_checkpoint(cid)
             if c.state == "committed":
-                return c
+                if not (c.plan == "FS_PROC" and not c.proc_image):
+                    return c
+                fallback = fallback or c
             cid = c.parent
+        if fallback is not None:
+            return fallback
         raise NotFound(f"sandbox {row.id} has no committed checkpoint")
 
     def _rollback_sync(self, sid: str, ref: str | int | None, reason: str) -> dict[str, Any]:
@@ -575,7 +658,7 @@ class Daemon:
         self._remove_snapshot(row.fs_key)
         timing["fs"] = time.monotonic() - t
         t = time.monotonic()
-        self.runtime.start(sid)  # no process image: a fresh init
+        restored = self._start_from(sid, ck)
         timing["start"] = time.monotonic() - t
         not_undone = self._effects_after(row.head, ck.id)
         with self.store.transaction():
@@ -584,8 +667,29 @@ class Daemon:
         self._event("sandbox.rolled_back", sid, checkpoint=ck.id, reason=reason, branch=row.branch + 1,
                     effects_not_undone=not_undone)
         return {"sandbox": sid, "checkpoint": ck.id, "seq": ck.seq, "turn": ck.turn, "branch": row.branch + 1,
-                "restored": "fs" if not ck.proc_image else "fs+proc", "effects_not_undone": not_undone,
+                "restored": restored, "effects_not_undone": not_undone,
                 "timing_ms": {k: round(v * 1000, 3) for k, v in timing.items()}}
+
+    def _start_from(self, sid: str, ck: CheckpointRow) -> str:
+        """Start a sandbox whose root is already `ck`'s files: restore `ck`'s
+        processes when it has an image, else a fresh init. A failed restore
+        falls back to a fresh init, with an event that says so."""
+        if ck.proc_image:
+            from deltacr import DeltacrError
+            from .runtime.process import restore_processes
+            try:
+                restore_processes(self.runtime, sid, self.images, ck.proc_image)
+                return "fs+proc"
+            except (DeltacrError, CrabdError) as e:
+                log.warning("restoring processes of %s into %s failed: %s", ck.id, sid, e)
+                self._event("sandbox.restore_failed", sid, checkpoint=ck.id, error=str(e),
+                            fallback="fresh init on the checkpoint's files")
+                try:
+                    self.runtime.stop(sid)
+                except CrabdError:
+                    pass
+        self.runtime.start(sid)
+        return "fs"
 
     def _effects_after(self, head: str | None, target: str) -> list[dict[str, Any]]:
         """External effects recorded on the abandoned line, after `target`."""

@@ -328,6 +328,12 @@ class Store:
             return int(self._db.execute("SELECT COUNT(*) FROM checkpoints WHERE fs_snapshot=? AND state!='failed'",
                                         (name,)).fetchone()[0])
 
+    def proc_image_refs(self, image: str) -> int:
+        """How many checkpoints refer to a deltacr process image."""
+        with self._lock:
+            return int(self._db.execute("SELECT COUNT(*) FROM checkpoints WHERE proc_image=? AND state!='failed'",
+                                        (image,)).fetchone()[0])
+
     # --- integrity -----------------------------------------------------------------
     def digest(self, row: CheckpointRow) -> str:
         fields = {k: getattr(row, k) for k in ("id", "sandbox_id", "seq", "parent", "branch", "turn", "plan",

@@ -11,13 +11,16 @@ command and answers from rules keyed on argument words, e.g.
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from .errors import CommandFailed
 from .runner import Captured, Completed
 
-__all__ = ["FakeRunner"]
+__all__ = ["FakeRunner", "cleanup_state_dir"]
 
 
 @dataclass
@@ -63,3 +66,17 @@ class FakeRunner:
         if c.timed_out and on_timeout:
             on_timeout()
         return c
+
+
+def cleanup_state_dir(path: Path) -> None:
+    """Unmount everything under a (test) state dir, deepest first, then delete it."""
+    real = str(Path(path).resolve())
+    mps = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            mp = line.split()[4].encode().decode("unicode_escape")
+            if mp == real or mp.startswith(real + "/"):
+                mps.append(mp)
+    for mp in sorted(mps, key=len, reverse=True):
+        subprocess.run(["umount", "-l", mp], capture_output=True)
+    shutil.rmtree(path, ignore_errors=True)

@@ -107,16 +107,3 @@ def sandbox_factory(runtime):
         except Exception:
             pass
 
-
-def cleanup_state_dir(path: Path) -> None:
-    """Unmount everything under a test state dir (deepest first), then delete it."""
-    real = str(path.resolve())
-    mps = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            mp = line.split()[4].encode().decode("unicode_escape")
-            if mp == real or mp.startswith(real + "/"):
-                mps.append(mp)
-    for mp in sorted(mps, key=len, reverse=True):
-        subprocess.run(["umount", "-l", mp], capture_output=True)
-    shutil.rmtree(path, ignore_errors=True)

@@ -23,7 +23,7 @@ from crabd.client import Client
 from crabd.errors import FailedPrecondition, NotFound
 from crabd.runtime import Runtime
 
-from conftest import cleanup_state_dir  # noqa: E402  (tests/integration is on sys.path)
+from crabd.testing import cleanup_state_dir
 
 CRABD = str(Path(sys.executable).parent / "crabd")
 
@@ -119,6 +119,24 @@ def make_wheel(tmp: Path) -> Path:
     return whl
 
 
+COUNTER = """import http.server
+n = 0
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        global n
+        n += 1
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(str(n).encode())
+    def log_message(self, *a):
+        pass
+srv = http.server.HTTPServer(("127.0.0.1", 8000), H)
+while True:  # not serve_forever(): it wakes every 0.5 s, and a process that runs changes state
+    srv.handle_request()
+"""
+GET = "python3 -c \"import urllib.request as u; print(u.urlopen('http://127.0.0.1:8000/').read().decode())\""
+
+
 def test_agent_session_crash_and_automatic_recovery(crabd, tmp_path):
     c = crabd.client()
     sb = c.create_sandbox("debian-py", name="agent")
@@ -134,20 +152,32 @@ def test_agent_session_crash_and_automatic_recovery(crabd, tmp_path):
         ("cd /work && git init -q && git add calc.py && git -c user.name=a -c user.email=a@b commit -qm one", "FS"),
         ("grep -rn add /work/calc.py", "SKIP"),
         ("ls -la /work", "SKIP"),
-        ("cd /work && (nohup python3 -m http.server 8000 >/dev/null 2>&1 &) ; sleep 0.5", "FS_PROC"),
-        ("echo notes > /work/notes.txt", None),
+        # A server with state in memory: a counter that each request bumps.
+        ("cd /work && (nohup python3 counter.py >/dev/null 2>&1 &) ; sleep 0.7", "FS_PROC"),
+        (GET, "FS_PROC"),   # the server ran: its memory changed
+        # CRIU's dump of the server makes it look as if it ran in the next
+        # turn (one context switch after the thaw): crabd cannot tell that
+        # from real work, so it checkpoints processes again. Extra traffic,
+        # never a missed change.
+        ("ls /work", "FS_PROC"),
+        ("echo notes > /work/notes.txt", "FS_PROC"),
     ]
-    for i, (cmd, expect) in enumerate(turns, 1):
+    c.exec(sid, "mkdir -p /work && cat > /work/counter.py", stdin=COUNTER)
+    for i, (cmd, expect) in enumerate(turns, 2):
         r = c.exec(sid, cmd, timeout=120)
         assert r["exit_code"] == 0, (cmd, r["stderr"])
         assert r["turn"] == i
         if expect:
             assert r["plan"] == expect, (cmd, r["plan"], r["reasons"])
     cks = wait_captured(c, sid)
-    assert [k["state"] for k in cks] == ["committed"] * 11
+    assert [k["state"] for k in cks] == ["committed"] * 14
+    assert cks[-1]["plan"] == "FS_PROC" and cks[-1]["proc_image"] == cks[-1]["id"]
+    fs_after_proc = [k for k in cks if k["plan"] == "FS" and k["seq"] > 1]
+    assert all(k["proc_image"] == c.checkpoint(k["parent"])["proc_image"] for k in fs_after_proc)
     skips = [k for k in cks if k["plan"] == "SKIP"]
     assert skips and all(k["fs_snapshot"] == c.checkpoint(k["parent"])["fs_snapshot"] for k in skips)
-    before = tree_digest(c, sid, "/work")
+    before = tree_digest(c, sid, "/work")  # (a read-only turn of its own)
+    wait_captured(c, sid)
     head = c.sandbox(sid)["head"]
 
     # The sandbox crashes: every process in it is killed, as by the OOM killer.
@@ -166,6 +196,10 @@ def test_agent_session_crash_and_automatic_recovery(crabd, tmp_path):
     assert tree_digest(c, sid, "/work") == before
     r = c.exec(sid, "python3 -c 'import crabd_demo_pkg; print(crabd_demo_pkg.VALUE)'; cd /work && git log --oneline")
     assert r["stdout"].startswith("42\n") and "one" in r["stdout"]
+    # The server came back with its memory: the counter goes on from 1.
+    got = c.exec(sid, GET)
+    evs = [(e["kind"], e["data"]) for e in c.events(since=events_before, sandbox=sid)]
+    assert got["stdout"].strip() == "2", f"{got['stderr'][-300:]} {evs}"
     c.delete_sandbox(sid)
 
 
