@@ -412,6 +412,12 @@ def bench_inspector(ctx: typer.Context) -> None:
     _bench("inspector.py", ctx.args)
 
 
+@bench_app.command("cr", context_settings=_BENCH_CTX)
+def bench_cr(ctx: typer.Context) -> None:
+    """CRIU dump / restore / hot-standby promote latency and image bytes (bench/cr.py; --quick, --json)."""
+    _bench("cr.py", ctx.args)
+
+
 def main() -> None:
     app()
 
