@@ -204,6 +204,11 @@ class Inspector:
         use: writes there are reported as special_writes["outside"] and do
         not make a turn FS. `stateless_comms` names processes whose waking up
         changes no state (zombie-reaping inits)."""
+        if cgroup_path is None:
+            raise InvalidArgument(
+                f"watch({sandbox_id!r}) needs the sandbox's cgroup directory: its cgroup v2 directory, or "
+                "(pid-following mode) any cgroup whose cgroup.procs lists the sandbox's processes"
+            )
         self.open()
         path = Path(cgroup_path)
         with self._state_lock:
