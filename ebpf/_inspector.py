@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ebpf._events import MAX_TAGS, Event
-from ebpf._proc import HostProcessTable, ProcessTable, ProcInfo
+from ebpf._proc import HostProcessTable, ProcessTable, ProcInfo, settled_snapshot
 from ebpf._turn import DEFAULT_STATELESS, TurnRecorder
 from ebpf.effects import MAX_SAMPLES, Effects
 from ebpf.errors import AlreadyWatched, BPFUnavailable, InvalidArgument, NotWatched
@@ -128,11 +128,13 @@ class Inspector:
         clock: Callable[[], int] = time.monotonic_ns,
         poll_interval: float | None = 0.01,
         max_samples: int = MAX_SAMPLES,
+        settle: float = 0.2,
     ) -> None:
         self._loader = loader if loader is not None else default_loader()
         self._procs = processes if processes is not None else HostProcessTable()
         self._clock = clock
         self._poll_interval = poll_interval
+        self._settle = settle  # max seconds end_turn waits for new processes to settle
         self._max = max_samples
         self._sandboxes: dict[str, _Watched] = {}
         self._by_tag: dict[int, _Watched] = {}
@@ -316,6 +318,9 @@ class Inspector:
 
     def end_turn(self, sandbox_id: str) -> Effects:
         w = self._get(sandbox_id)
+        # processes first (waiting for new ones to settle), then the cut: what
+        # a process does while starting up belongs to the turn that started it
+        after = settled_snapshot(self._procs, w.cgroup_path, w.baseline, self._settle)
         cut = self._clock()
         with w.lock:
             w.cut_ns = cut
@@ -325,7 +330,6 @@ class Inspector:
         writes = self._loader.write_count(w.tag)
         dropped = self._loader.dropped_count(w.tag)
         suppressed = self._loader.suppressed_counts(w.tag)
-        after = self._snapshot(w.cgroup_path)
         with w.lock:
             rec, w.recorder = w.recorder, (w.next_recorder or TurnRecorder(self._max, w.outside))
             rec.carry_over(w.recorder)  # an exec whose argv came before the cut

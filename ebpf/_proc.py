@@ -9,6 +9,7 @@ reads the real /proc, `ebpf.testing.FakeProcessTable` is its fake.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -126,3 +127,46 @@ def _addr(hexaddr: str, v6: bool) -> str:
         raw = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
         return f"[{ipaddress.IPv6Address(raw)}]:{int(port, 16)}"
     return f"{ipaddress.IPv4Address(raw[::-1])}:{int(port, 16)}"
+
+
+def settled_snapshot(
+    table: ProcessTable,
+    cgroup_path: Path,
+    before: dict[int, ProcInfo],
+    max_wait: float,
+    step: float = 0.01,
+) -> dict[int, ProcInfo]:
+    """The cgroup's processes, once the ones new since `before` have settled.
+
+    A turn's `cmd &` may still be forking and exec'ing when the turn ends;
+    sampled mid-start, it would look like an older process that "ran" in the
+    next turn. So while some new process is running, or its context
+    switches or CPU time still move between two samples `step` apart, sample
+    again, for at most `max_wait` seconds (a poller never settles: it then
+    counts as running, which is conservative)."""
+
+    def snap() -> dict[int, ProcInfo]:
+        out = {}
+        for pid in table.pids(cgroup_path):
+            info = table.info(pid)
+            if info is not None:
+                out[pid] = info
+        return out
+
+    def new(s: dict[int, ProcInfo]) -> set[int]:
+        return {p for p, i in s.items() if p not in before or before[p].start != i.start}
+
+    after = snap()
+    deadline = time.monotonic() + max_wait
+    while new(after) and time.monotonic() < deadline:
+        time.sleep(step)
+        again = snap()
+        moving = new(again) - set(after)
+        for p in new(again) & set(after):
+            a, b = after[p], again[p]
+            if b.running or b.switches != a.switches or b.cpu != a.cpu or b.start != a.start:
+                moving.add(p)
+        after = again
+        if not moving:
+            break
+    return after

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ebpf._proc import HostProcessTable, ProcessTable, ProcInfo
+from ebpf._proc import HostProcessTable, ProcessTable, ProcInfo, settled_snapshot
 from ebpf._turn import DEFAULT_STATELESS, TurnRecorder, external_tool, package_manager
 from ebpf.effects import MAX_SAMPLES, Effects, ExecRecord, Sample
 from ebpf.errors import AlreadyWatched, NotWatched
@@ -58,8 +58,10 @@ class ProcInspector:
         processes: ProcessTable | None = None,
         clock: Callable[[], int] = time.monotonic_ns,
         max_samples: int = MAX_SAMPLES,
+        settle: float = 0.2,
     ) -> None:
         self._probe = change_probe
+        self._settle = settle
         self._procs = processes if processes is not None else HostProcessTable()
         self._clock = clock
         self._max = max_samples
@@ -121,8 +123,8 @@ class ProcInspector:
 
     def end_turn(self, sandbox_id: str) -> Effects:
         w = self._get(sandbox_id)
+        after = settled_snapshot(self._procs, w.cgroup_path, w.baseline, self._settle)
         cut = self._clock()
-        after = self._snapshot(w.cgroup_path)
         before, w.baseline = w.baseline, after
         w.turn += 1
         rec = TurnRecorder(self._max)

@@ -364,3 +364,35 @@ def test_cgroup_outside_a_v2_hierarchy_is_invalid(tmp_path, monkeypatch):
         insp.watch("x", tmp_path / "elsewhere")
     with pytest.raises(InvalidArgument, match="No such file"):
         insp.watch("x", tmp_path / "cg2" / "missing")
+
+
+def test_end_turn_waits_for_new_processes_to_settle():
+    from ebpf._proc import settled_snapshot
+
+    class Starting(FakeProcessTable):
+        """pid 300 forks as 'sh' and execs 'sleep' two samples later."""
+        calls = 0
+
+        def info(self, pid):
+            i = super().info(pid)
+            if pid == 300:
+                self.calls += 1
+                if self.calls <= 2:
+                    return i.__class__(300, 50, 0, self.calls, True, "sh", ("sh",))
+            return i
+
+    procs = Starting()
+    procs.start(CG, 300, ("sleep", "1000"), start=50)
+    after = settled_snapshot(procs, CG, {}, max_wait=1.0, step=0.001)
+    assert after[300].cmdline == ("sleep", "1000")
+    # a process that never settles is given up on at the deadline
+    class Busy(FakeProcessTable):
+        def info(self, pid):
+            i = super().info(pid)
+            return i.__class__(i.pid, i.start, i.cpu, i.switches, True, i.comm, i.cmdline)
+    busy = Busy()
+    busy.start(CG, 5, ("yes",))
+    import time
+    t0 = time.monotonic()
+    settled_snapshot(busy, CG, {}, max_wait=0.05, step=0.005)
+    assert time.monotonic() - t0 < 0.5
