@@ -3,11 +3,17 @@ code without root: `FakeLoader` (the BPF side) and `FakeProcessTable`
 (/proc and cgroup.procs).
 
     procs = FakeProcessTable()
-    loader = FakeLoader()
+    procs.start("/cg/sb", 1, ("crabd-init",))
+    loader = FakeLoader()                                  # pid-following mode: no stat of the cgroup
     insp = Inspector(loader, processes=procs, clock=FakeClock(), poll_interval=None)
-    insp.watch("sb", "/sys/fs/cgroup/unified/sb")        # no stat: FakeLoader is pid-mode free
-    loader.emit(Event(EventKind.OPEN_WRITE, tag=loader.tag_of("sb"), pid=10, path="/app/x", arg=0o1101))
-    insp.end_turn("sb").files["write"].count == 1
+    insp.watch("sb", "/cg/sb", init_pid=1)
+    loader.emit(Event(EventKind.OPEN_WRITE, tag=loader.tag_of(1), pid=10, path="/app/x", arg=0o1101))
+    assert insp.end_turn("sb").files["write"].count == 1
+
+The second half of the module is for root tests and the benchmark: the
+labelled turn set (`LABELLED_TURNS`), `CgroupCell` (a fresh cgroup v2
+directory and scratch directory to run turns in), `tree_state` (the
+independent oracle), `make_wheel` and `TestPeer` (a network-namespace peer).
 """
 
 from __future__ import annotations
@@ -33,8 +39,8 @@ class FakeClock:
 class FakeLoader:
     """Records what the inspector asks of the kernel; events are pushed with `emit`.
 
-    Cgroup mode by default, but `watch` needs a real directory's inode for
-    cgroup ids; pass `mode="bpf-pids"` to avoid touching any file system."""
+    Pid-following mode by default, so that `watch` touches no file system;
+    `mode="bpf-cgroup"` makes `watch` stat the cgroup directory for its id."""
 
     def __init__(self, mode: str = "bpf-pids") -> None:
         self.mode = mode
