@@ -182,11 +182,12 @@ class TurnRecorder:
         self._bound: dict[tuple[int, int], str] = {}
         self._listens: list[tuple[int, int]] = []
         # Files and directories this turn certainly created (O_CREAT|O_EXCL,
-        # mkdir), held back: if the same process deletes the same path before
-        # the turn ends, both cancel out (lock files, temporary files: git
-        # status takes and drops .git/index.lock). Key: the path and, for a
-        # relative one, the process and directory fd it is relative to.
-        self._fresh: dict[tuple[int, int, str], tuple[str, str]] = {}
+        # mkdir) by an absolute path, held back: if the same process deletes
+        # the same path before the turn ends, both cancel out (lock files,
+        # temporary files: git status takes and drops .git/index.lock).
+        # Key: (pid, normalized path). The kernel's dedup forgets a path's
+        # create entries when that process deletes it, so a re-create is seen.
+        self._fresh: dict[tuple[int, str], tuple[str, str]] = {}
         self.transient = 0
         self.events = 0
 
@@ -199,10 +200,12 @@ class TurnRecorder:
             self.external.append(why)
 
     @staticmethod
-    def _fresh_key(ev: Event) -> tuple[int, int, str]:
-        if ev.path.startswith("/"):
-            return (0, 0, posixpath.normpath(ev.path))
-        return (ev.pid, ev.dfd, posixpath.normpath(ev.path))
+    def _fresh_key(ev: Event) -> tuple[int, str] | None:
+        # Only absolute paths: a relative one may resolve elsewhere after a
+        # chdir, or a directory fd reused for another directory.
+        if not ev.path.startswith("/"):
+            return None
+        return (ev.pid, posixpath.normpath(ev.path))
 
     def _scope(self, path: str) -> str:
         if path.startswith("/") and self.outside:
@@ -244,13 +247,14 @@ class TurnRecorder:
                 # names it later, and that is a LINK event of its own
                 self.transient += 1
                 return
-            if ev.path and (
+            key = self._fresh_key(ev)
+            if key is not None and (
                 (k == EventKind.OPEN_WRITE and ev.arg & (O_CREAT | O_EXCL) == O_CREAT | O_EXCL) or k == EventKind.MKDIR
             ):
-                self._fresh[self._fresh_key(ev)] = (FILE_KINDS[k], shown)
+                self._fresh[key] = (FILE_KINDS[k], shown)
                 return
-            if ev.path and k in (EventKind.UNLINK, EventKind.RMDIR):
-                if self._fresh.pop(self._fresh_key(ev), None) is not None:
+            if key is not None and k in (EventKind.UNLINK, EventKind.RMDIR):
+                if self._fresh.pop(key, None) is not None:
                     self.transient += 1
                     return
             self._file(FILE_KINDS[k], shown, paths)
@@ -307,8 +311,8 @@ class TurnRecorder:
             self._external(f"{'connect' if ev.kind == EventKind.CONNECT else 'send'} to {dest} ({ev.comm})")
 
     def _flush_fresh(self) -> None:
-        for (_pid, _dfd, path), (kind, shown) in self._fresh.items():
-            self._file(kind, shown, [(path, AT_FDCWD if path.startswith("/") else _dfd)])
+        for (_pid, path), (kind, shown) in self._fresh.items():
+            self._file(kind, shown, [(path, AT_FDCWD)])
         self._fresh.clear()
 
     def carry_over(self, nxt: TurnRecorder) -> None:

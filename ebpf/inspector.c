@@ -63,6 +63,8 @@ struct pending {
     u64 hash;    /* of the path string, when dedup applies */
     u32 dedup;
     u32 special; /* a path is under /dev, /proc or /sys */
+    s32 keydfd;  /* dfd in the dedup key: AT_FDCWD_ for an absolute path */
+    u32 pad;
 };
 
 /* Repeats within a turn: a process that opens (chmods, ...) the same path
@@ -179,11 +181,16 @@ static __always_inline u64 path_hash(const void *upath)
 {
     int z = 0;
     struct pathbuf *b = scratch.lookup(&z);
-    if (!b || !upath)
+    if (!b)
+        return 0;
+    b->s[0] = 0;
+    if (!upath)
         return 0;
     long n = bpf_probe_read_user_str(b->s, sizeof(b->s), upath);
-    if (n <= 0)
+    if (n <= 0) {
+        b->s[0] = 0;
         return 0;
+    }
     u64 h = 14695981039346656037ULL;
     for (int i = 0; i < PATH_LEN; i++) {
         if (i >= n)
@@ -192,6 +199,18 @@ static __always_inline u64 path_hash(const void *upath)
         h *= 1099511628211ULL;
     }
     return h | 1; /* never 0 */
+}
+
+/* The directory fd as part of a dedup key: irrelevant for an absolute path
+ * (so that a deletion by another dirfd forgets the same entry). Reads the
+ * string path_hash() just left in `scratch`. */
+static __always_inline s32 key_dfd(s32 dfd)
+{
+    int z = 0;
+    struct pathbuf *b = scratch.lookup(&z);
+    if (b && b->s[0] == '/')
+        return AT_FDCWD_;
+    return dfd;
 }
 
 static __always_inline u64 epoch_of(u32 tag)
@@ -252,7 +271,7 @@ static __always_inline int stash(u32 kind, s32 dfd, const void *path,
     u64 pt = bpf_get_current_pid_tgid();
     if (kind != EV_UNLINK && kind != EV_RMDIR && !path2) {
         p.hash = path_hash(path);
-        struct seen_key k = {tag, (u32)(pt >> 32), dfd, kind, p.hash};
+        struct seen_key k = {tag, (u32)(pt >> 32), key_dfd(dfd), kind, p.hash};
         u64 *v = seen.lookup(&k);
         if (v && *v == epoch_of(tag))
             return 0; /* already recorded this turn */
@@ -261,6 +280,7 @@ static __always_inline int stash(u32 kind, s32 dfd, const void *path,
         p.hash = path_hash(path);
     }
     p.special = is_special(path) || is_special(path2);
+    p.keydfd = p.hash ? key_dfd(dfd) : dfd;
     p.kind = kind;
     p.tag = tag;
     p.dfd = dfd;
@@ -283,7 +303,7 @@ static __always_inline int finish(long ret)
     pending.delete(&tid);
     if (ret < 0)
         return 0;
-    struct seen_key k = {q.tag, (u32)(tid >> 32), q.dfd, q.kind, q.hash};
+    struct seen_key k = {q.tag, (u32)(tid >> 32), q.keydfd, q.kind, q.hash};
     if (q.dedup) {
         u64 epoch = epoch_of(q.tag);
         seen.update(&k, &epoch);

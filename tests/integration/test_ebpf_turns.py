@@ -182,9 +182,12 @@ EXCL = "os.O_WRONLY | os.O_CREAT | os.O_EXCL"
 
 @pytest.mark.parametrize("script,label", [
     # create, delete, create again: the file exists at the end
-    (f"os.close(os.open('x', {EXCL})); os.unlink('x'); os.close(os.open('x', {EXCL}))", "FS"),
-    # three create-delete pairs: nothing left
-    (f"exec('for _ in range(3): os.close(os.open(\\'x\\', {EXCL})); os.unlink(\\'x\\')')", "SKIP"),
+    (f"x = os.path.abspath('x'); os.close(os.open(x, {EXCL})); os.unlink(x); os.close(os.open(x, {EXCL}))", "FS"),
+    # the same, deleting through another directory fd
+    (f"x = os.path.abspath('x'); os.close(os.open(x, {EXCL})); d = os.open('/', os.O_RDONLY); "
+     f"os.unlink(x, dir_fd=d); os.close(os.open(x, {EXCL}))", "FS"),
+    # three create-delete pairs by absolute path: nothing left
+    (f"x = os.path.abspath('x')\nfor _ in range(3): os.close(os.open(x, {EXCL})); os.unlink(x)", "SKIP"),
     # 5000 opens of 10 names: deduplicated in the kernel, still FS
     ("exec('for i in range(5000): os.close(os.open(\\'f%d\\' % (i % 10), os.O_WRONLY | os.O_CREAT))')", "FS"),
 ])

@@ -277,8 +277,8 @@ def test_exclusive_create_then_delete_by_same_process_cancels(env):
     loader.emit(
         ev(K.OPEN_WRITE, tag, pid=10, path="/app/.git/index.lock", arg=excl),
         ev(K.UNLINK, tag, pid=10, path="/app/.git/index.lock"),
-        ev(K.MKDIR, tag, pid=10, path="tmpd"),
-        ev(K.RMDIR, tag, pid=10, path="tmpd"),
+        ev(K.MKDIR, tag, pid=10, path="/tmp/tmpd"),
+        ev(K.RMDIR, tag, pid=10, path="/tmp/./tmpd", dfd=7),
     )
     e = insp.end_turn("sb")
     assert e.file_changes == 0 and e.transient_files == 2
@@ -292,15 +292,18 @@ def test_cancellation_is_conservative(env):
         # not exclusive: the file may have existed, its deletion is a change
         ev(K.OPEN_WRITE, tag, pid=10, path="/app/a", arg=O_WRONLY | O_CREAT),
         ev(K.UNLINK, tag, pid=10, path="/app/a"),
-        # relative path deleted by another process: may be another directory
+        # a relative path may resolve elsewhere after a chdir: never cancelled
         ev(K.OPEN_WRITE, tag, pid=10, path="b", arg=excl),
-        ev(K.UNLINK, tag, pid=11, path="b"),
+        ev(K.UNLINK, tag, pid=10, path="b"),
+        # deleted by another process: not cancelled either
+        ev(K.OPEN_WRITE, tag, pid=10, path="/app/d", arg=excl),
+        ev(K.UNLINK, tag, pid=11, path="/app/d"),
         # renamed away before the delete: the rename stays a change
         ev(K.OPEN_WRITE, tag, pid=10, path="/app/c.lock", arg=excl),
         ev(K.RENAME, tag, pid=10, path="/app/c.lock", path2="/app/c"),
     )
     e = insp.end_turn("sb")
-    assert e.files["write"].count == 3 and e.files["delete"].count == 2 and e.files["rename"].count == 1
+    assert e.files["write"].count == 4 and e.files["delete"].count == 3 and e.files["rename"].count == 1
     assert classify(e).kind is PlanKind.FS
 
 
