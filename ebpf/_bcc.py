@@ -61,8 +61,9 @@ def bpf_problem() -> str | None:
 class BccLoader:
     """Compile and attach the inspector program with bcc (needs root)."""
 
-    def __init__(self, follow_pids: bool = False) -> None:
+    def __init__(self, follow_pids: bool = False, count_writes: bool = True) -> None:
         self.follow_pids = follow_pids
+        self.count_writes = count_writes
         self.mode = "bpf-pids" if follow_pids else "bpf-cgroup"
         self._bpf = None
         self._batch: list[Event] = []
@@ -72,7 +73,7 @@ class BccLoader:
         self._undecodable = 0
 
     def program(self) -> str:
-        return program_text(self.follow_pids)
+        return program_text(self.follow_pids, self.count_writes)
 
     def open(self) -> None:
         if self._bpf is not None:

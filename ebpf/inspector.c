@@ -406,7 +406,11 @@ FILE_OP(utime, EV_UTIMES, AT_FDCWD_, args->filename, AT_FDCWD_, 0, 0)
 FILE_OP(utimes, EV_UTIMES, AT_FDCWD_, args->filename, AT_FDCWD_, 0, 0)
 FILE_OP(futimesat, EV_UTIMES, args->dfd, args->filename, AT_FDCWD_, 0, 0)
 
-/* --- write family: counters only ------------------------------------------- */
+/* --- write family: counters only ---------------------------------------------
+ * No decision depends on them (a write needs an fd opened for writing, which
+ * was an event, or it comes from an older process, which then ran), and they
+ * are ~30 % of the programs' cost in a syscall storm: COUNT_WRITES=0 drops
+ * them (Effects.write_syscalls is then 0). */
 
 static __always_inline int count_write(void)
 {
@@ -419,6 +423,7 @@ static __always_inline int count_write(void)
         *c += 1;
     return 0;
 }
+#if COUNT_WRITES
 TRACEPOINT_PROBE(syscalls, sys_enter_write) { return count_write(); }
 TRACEPOINT_PROBE(syscalls, sys_enter_writev) { return count_write(); }
 TRACEPOINT_PROBE(syscalls, sys_enter_pwrite64) { return count_write(); }
@@ -428,6 +433,7 @@ TRACEPOINT_PROBE(syscalls, sys_enter_copy_file_range) { return count_write(); }
 TRACEPOINT_PROBE(syscalls, sys_enter_sendfile64) { return count_write(); }
 TRACEPOINT_PROBE(syscalls, sys_enter_splice) { return count_write(); }
 TRACEPOINT_PROBE(syscalls, sys_enter_fallocate) { return count_write(); }
+#endif
 
 /* --- events recorded at entry ------------------------------------------------- */
 

@@ -17,10 +17,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ebpf.inspector", description="crabd BPF turn inspector")
     ap.add_argument("--print-program", action="store_true", help="print the generated BPF C program and exit")
     ap.add_argument("--follow-pids", action="store_true", help="the pid-following variant (no cgroup v2)")
+    ap.add_argument("--no-write-counts", action="store_true", help="the variant without write-family counters")
     ap.add_argument("--watch", metavar="CGROUP", help="watch a cgroup v2 directory; print each turn on Enter")
     args = ap.parse_args(argv)
     if args.print_program:
-        sys.stdout.write(program_text(args.follow_pids))
+        sys.stdout.write(program_text(args.follow_pids, not args.no_write_counts))
         return 0
     if args.watch:
         from ebpf.classifier import classify

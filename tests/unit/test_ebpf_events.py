@@ -63,3 +63,9 @@ def test_cli_prints_program(capsys):
     from ebpf.inspector import main
     assert main(["--print-program"]) == 0
     assert "BPF_RINGBUF_OUTPUT(events" in capsys.readouterr().out
+
+
+def test_write_counters_can_be_compiled_out():
+    assert "#define COUNT_WRITES (1)" in program_text()
+    assert "#define COUNT_WRITES (0)" in program_text(count_writes=False)
+    assert "#if COUNT_WRITES" in program_text()
