@@ -58,6 +58,14 @@ class DaemonOptions:
     snapshot_driver: str = "auto"
     use_bpf: bool = True
     scheduler: Any = None         # a SchedulerPolicy; default: SchedulerPolicy()
+    standby_policy: Any = None    # a deltacr.StandbyPolicy; default: one per sandbox, 2 GiB host-wide
+
+
+@dataclass
+class _StandbyEntry:
+    checkpoint: str   # the daemon checkpoint it holds (files + processes)
+    standby: Any      # crabd.runtime.process.Standby
+    fs_key: str       # its deltafs active snapshot (a fork of the checkpoint's files)
 
 
 @dataclass
@@ -91,6 +99,14 @@ class Daemon:
         self.metrics = Metrics()
         self.scheduler = Scheduler(self.options.scheduler or SchedulerPolicy(), metrics=self.metrics)
         self.turns: dict[str, Turns] = {}
+        # Hot standbys: per sandbox at most one, of its recovery target (the
+        # newest complete checkpoint with a process image), prepared as idle
+        # work; a rollback to that checkpoint is then a promotion (a SIGCONT)
+        # instead of a CRIU restore.
+        from deltacr import StandbyPolicy
+        self.standby_policy = self.options.standby_policy or StandbyPolicy()
+        self.standbys: dict[str, _StandbyEntry] = {}
+        self._standby_locks: dict[str, threading.Lock] = {}
         self._image_locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
         self._event_waiters: set[asyncio.Event] = set()
@@ -157,6 +173,7 @@ class Daemon:
     def _recover_pending(self) -> None:
         """Pending checkpoints were not durable when the daemon died: discard
         them (their snapshot, if any, goes too). Committed ones are intact."""
+        self._discard_leftover_standbys()
         for ck in self.store.pending_checkpoints():
             self.store.fail_checkpoint(ck.id, "discarded: crabd stopped before this checkpoint was durable")
             if ck.fs_snapshot and self.store.fs_snapshot_refs(ck.fs_snapshot) == 0:
@@ -294,7 +311,11 @@ class Daemon:
 
     def destroy_sandbox(self, ref: str, owner: str | None = None) -> None:
         row = self._own(self.store.get_sandbox(ref), owner)
+        # Out of `turns` first: a standby refresh that starts from now on sees
+        # the sandbox as gone and prepares nothing.
+        self.turns.pop(row.id, None)
         self.scheduler.cancel(row.id)
+        self._discard_standby(row.id)
         try:
             self.inspector.unwatch(row.id)
         except Exception:
@@ -440,6 +461,8 @@ class Daemon:
 
         try:
             await self.scheduler.submit(job, run)
+            if ck.plan != "SKIP":
+                self._schedule_standby_refresh(sid)
         except (asyncio.CancelledError, JobCancelled):
             await asyncio.to_thread(self.store.fail_checkpoint, ck.id, "cancelled by a rollback")
         except Exception as e:  # recorded; never take the daemon down
@@ -643,11 +666,14 @@ class Daemon:
         ck = self._latest_committed(row) if ref is None else self.resolve_checkpoint(sid, ref)
         self.store.verify(ck)
         timing: dict[str, float] = {}
-        t = time.monotonic()
         try:
             self.inspector.unwatch(sid)
         except Exception:
             pass
+        promoted = self._promote_standby(sid, ck, row, timing)
+        if promoted is not None:
+            return self._finish_rollback(sid, row, ck, promoted, "fs+proc (hot standby)", timing, reason)
+        t = time.monotonic()
         self.runtime.stop(sid)
         timing["stop"] = time.monotonic() - t
         t = time.monotonic()
@@ -660,10 +686,16 @@ class Daemon:
         t = time.monotonic()
         restored = self._start_from(sid, ck)
         timing["start"] = time.monotonic() - t
+        return self._finish_rollback(sid, row, ck, new_key, restored, timing, reason)
+
+    def _finish_rollback(self, sid: str, row: SandboxRow, ck: CheckpointRow, new_key: str, restored: str,
+                         timing: dict[str, float], reason: str) -> dict[str, Any]:
         not_undone = self._effects_after(row.head, ck.id)
         with self.store.transaction():
             self.store.update_sandbox(sid, fs_key=new_key, head=ck.id, branch=row.branch + 1, state="running")
         self._watch(sid)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._schedule_standby_refresh, sid)
         self._event("sandbox.rolled_back", sid, checkpoint=ck.id, reason=reason, branch=row.branch + 1,
                     effects_not_undone=not_undone)
         return {"sandbox": sid, "checkpoint": ck.id, "seq": ck.seq, "turn": ck.turn, "branch": row.branch + 1,
@@ -722,6 +754,131 @@ class Daemon:
             made.append(row.id)
         return {"checkpoint": ck.id, "sandboxes": made, "duration_ms": round((time.monotonic() - t0) * 1000, 3)}
 
+    # --- hot standbys --------------------------------------------------------------------------
+    def _standby_lock(self, sid: str) -> threading.Lock:
+        with self._guard:
+            return self._standby_locks.setdefault(sid, threading.Lock())
+
+    def _schedule_standby_refresh(self, sid: str) -> None:
+        """Queue a refresh of the sandbox's standby as idle work (event loop)."""
+        if self.standby_policy.per_sandbox == 0 or sid not in self.turns:
+            return
+        from .scheduler import JobCancelled, JobKind
+        job = self.scheduler.policy.background_job(JobKind.STANDBY_REFRESH, 0, time.monotonic(), sandbox_id=sid)
+        self.scheduler.cancel(sid, kinds=[JobKind.STANDBY_REFRESH])  # only the newest matters
+
+        async def run() -> None:
+            await asyncio.to_thread(self._refresh_standby, sid)
+
+        fut = self.scheduler.submit(job, run)
+
+        def done(f: asyncio.Future[Any]) -> None:
+            if f.cancelled():
+                return
+            e = f.exception()
+            if e is not None and not isinstance(e, JobCancelled):
+                log.warning("standby refresh of %s failed: %s", sid, e)
+                self._event("standby.failed", sid, error=str(e))
+
+        fut.add_done_callback(done)
+
+    def _refresh_standby(self, sid: str) -> None:
+        """Make the sandbox's standby hold its recovery target (worker thread)."""
+        from deltacr import StandbyRecord
+        from .runtime.process import prepare_standby
+        with self._standby_lock(sid):
+            if sid not in self.turns:
+                return  # being destroyed
+            try:
+                row = self.store.get_sandbox(sid)
+                target = self._latest_committed(row)
+            except NotFound:
+                return
+            cur = self.standbys.get(sid)
+            if cur is not None and cur.checkpoint == target.id:
+                return
+            self._discard_standby_locked(sid)
+            if not target.proc_image or not target.fs_snapshot:
+                return  # no processes to keep warm: a rollback starts a fresh init anyway
+            m = self.images.manifest(target.proc_image)
+            new = StandbyRecord(sid, target.id, sum(f.size for f in m.files if f.name.startswith("pages-")),
+                                time.time())
+            current = [StandbyRecord(k, e.checkpoint, e.standby.memory_bytes, e.standby.created)
+                       for k, e in self.standbys.items()]
+            adm = self.standby_policy.admit(new, current)
+            if not adm.admit:
+                self._event("standby.skipped", sid, checkpoint=target.id, reason=adm.reason)
+                return
+            for ev in adm.evict:
+                if ev.sandbox_id != sid:
+                    with self._standby_lock(ev.sandbox_id):
+                        self._discard_standby_locked(ev.sandbox_id)
+            key = f"standby-{secrets.token_hex(6)}"
+            mounts = self.fs.prepare(key, parent=target.fs_snapshot)
+            try:
+                st = prepare_standby(self.runtime, sid, self.images, target.proc_image, root=mounts)
+            except BaseException:
+                self._remove_snapshot(key)
+                raise
+            self.standbys[sid] = _StandbyEntry(target.id, st, key)
+            self._event("standby.ready", sid, checkpoint=target.id, prepare_ms=round(st.prepare_ms, 1),
+                        memory_bytes=st.memory_bytes)
+
+    def _promote_standby(self, sid: str, ck: CheckpointRow, row: SandboxRow,
+                         timing: dict[str, float]) -> str | None:
+        """Roll back by promoting the standby of `ck`, if there is one. Returns
+        the new root's deltafs key, or None (then the cold path runs)."""
+        from .runtime.process import promote_standby
+        with self._standby_lock(sid):
+            e = self.standbys.get(sid)
+            if e is None or e.checkpoint != ck.id:
+                return None
+            self.standbys.pop(sid)
+            t = time.monotonic()
+            try:
+                promote_standby(self.runtime, e.standby)
+            except Exception as err:  # stale or broken standby: the cold path is still correct
+                log.warning("promoting the standby of %s for %s failed: %s", sid, ck.id, err)
+                self._event("standby.failed", sid, checkpoint=ck.id, error=str(err))
+                try:
+                    from .runtime.process import discard_standby
+                    discard_standby(self.runtime, e.standby)
+                finally:
+                    self._remove_snapshot(e.fs_key)
+                return None
+            timing["promote"] = time.monotonic() - t
+            if getattr(e.standby, "promote_ms", None) is not None:
+                timing["resume"] = e.standby.promote_ms / 1000
+        self._remove_snapshot(row.fs_key)
+        return e.fs_key
+
+    def _discard_standby(self, sid: str) -> None:
+        with self._standby_lock(sid):
+            self._discard_standby_locked(sid)
+
+    def _discard_standby_locked(self, sid: str) -> None:
+        from .runtime.process import discard_standby
+        e = self.standbys.pop(sid, None)
+        if e is None:
+            return
+        try:
+            discard_standby(self.runtime, e.standby)
+        except Exception as err:
+            log.warning("discarding the standby of %s: %s", sid, err)
+        self._remove_snapshot(e.fs_key)
+
+    def _discard_leftover_standbys(self) -> None:
+        """Standbys are caches: after a restart, drop what an earlier daemon left."""
+        from .runtime.process import discard_standby, list_standbys
+        for st in list_standbys(self.runtime):
+            try:
+                discard_standby(self.runtime, st)
+            except Exception as err:
+                log.warning("discarding leftover standby %s: %s", st.token, err)
+        for info in list(self.fs.walk()):
+            if info.name.startswith("standby-"):
+                self._remove_snapshot(info.name)
+
     # --- death watch ---------------------------------------------------------------------------
     async def watch_deaths(self, interval: float = 0.5) -> None:
         """Notice sandboxes whose init died (OOM kill, crash) and, per policy,
@@ -733,6 +890,13 @@ class Daemon:
                     continue
                 if _alive(t.init_pid):
                     continue
+                # An init restored by CRIU (runc restore --detach) is this
+                # process's child (we are a subreaper): reap it, or it stays
+                # a zombie that runc still reports as running.
+                try:
+                    os.waitpid(t.init_pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass
                 try:
                     sb = await asyncio.to_thread(self.runtime.get, sid)
                 except NotFound:

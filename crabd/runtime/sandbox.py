@@ -412,11 +412,19 @@ class Runtime:
             except FailedPrecondition:
                 pass
         if status in ("running", "paused", "created"):
+            _, pid = self._status(sb.id)
             self._runc("kill", sb.id, "KILL", check=False)
             deadline = time.monotonic() + timeout
             while self._status(sb.id)[0] not in ("stopped", "absent"):
                 if time.monotonic() > deadline:
                     break
+                # An init restored by CRIU is our child (we are a subreaper):
+                # until it is reaped it is a zombie that runc calls running.
+                if pid:
+                    try:
+                        os.waitpid(pid, os.WNOHANG)
+                    except ChildProcessError:
+                        pass
                 time.sleep(0.01)
         self._runc("delete", "--force", sb.id, check=False, context=f"runc delete of {sb.id}")
         if self._status(sb.id)[0] != "absent":

@@ -339,3 +339,44 @@ def test_tcp_listener_needs_the_bearer_token(tmp_path):
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
         cleanup_state_dir(state)
+
+
+def test_recovery_promotes_the_hot_standby(crabd):
+    """The recovery target is kept restored and stopped in the background; a
+    rollback to it (manual or after a crash) is a promotion, not a restore."""
+    c = crabd.client()
+    sid = c.create_sandbox("busybox")["id"]
+    r = c.exec(sid, "echo v1 > /tmp/index.html; (httpd -f -p 8000 -h /tmp >/dev/null 2>&1 &); sleep 0.3")
+    assert r["plan"] == "FS_PROC"
+
+    def wait_standby(cid: str) -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if any(e["kind"] == "standby.ready" and e["data"]["checkpoint"] == cid for e in c.events(sandbox=sid)):
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"no standby for {cid}: {[e['kind'] for e in c.events(sandbox=sid)]}")
+
+    wait_standby(r["checkpoint"])
+    # The agent breaks the server without a checkpoint in between (an
+    # explicit rollback comes before the next turn's capture).
+    os.kill(max(p for p in _sandbox_pids(sid) if p != c.sandbox(sid)["pid"]), signal.SIGKILL)
+    back = c.rollback(sid)  # to the newest complete checkpoint: the standby's
+    assert back["checkpoint"] == r["checkpoint"] and back["restored"] == "fs+proc (hot standby)", back
+    assert c.exec(sid, "wget -q -O - http://127.0.0.1:8000/index.html")["stdout"] == "v1\n"
+    # After a crash, automatic recovery uses the standby too.
+    head = c.sandbox(sid)["head"]
+    wait_standby(head) if c.checkpoint(head)["proc_image"] else None
+    since = max(e["seq"] for e in c.events())
+    os.kill(c.sandbox(sid)["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while not any(e["kind"] == "sandbox.rolled_back" for e in c.events(since=since, sandbox=sid)):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert c.exec(sid, "wget -q -O - http://127.0.0.1:8000/index.html")["stdout"] == "v1\n"
+    c.delete_sandbox(sid)
+    assert not (crabd.state / "standbys" / sid).exists() or not any((crabd.state / "standbys" / sid).iterdir())
+
+
+def _sandbox_pids(sid: str) -> list[int]:
+    return [int(x) for x in Path(f"/sys/fs/cgroup/freezer/crabd/{sid}/cgroup.procs").read_text().split()]
