@@ -108,6 +108,7 @@ class Daemon:
         self.standbys: dict[str, _StandbyEntry] = {}
         self._standby_locks: dict[str, threading.Lock] = {}
         self._image_locks: dict[str, threading.Lock] = {}
+        self._maintenance_queued = False
         self._guard = threading.Lock()
         self._event_waiters: set[asyncio.Event] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -463,6 +464,7 @@ class Daemon:
             await self.scheduler.submit(job, run)
             if ck.plan != "SKIP":
                 self._schedule_standby_refresh(sid)
+                self._schedule_maintenance()
         except (asyncio.CancelledError, JobCancelled):
             await asyncio.to_thread(self.store.fail_checkpoint, ck.id, "cancelled by a rollback")
         except Exception as e:  # recorded; never take the daemon down
@@ -753,6 +755,29 @@ class Daemon:
                                           parent_snapshot=ck.fs_snapshot, base_checkpoint=ck, lineage=src.lineage)
             made.append(row.id)
         return {"checkpoint": ck.id, "sandboxes": made, "duration_ms": round((time.monotonic() - t0) * 1000, 3)}
+
+    # --- idle maintenance -----------------------------------------------------------------------
+    def _schedule_maintenance(self) -> None:
+        """Queue one snapshot-store maintenance job (compaction of overlay
+        layer chains, removal of crash leftovers) as idle work (event loop)."""
+        if self._maintenance_queued:
+            return
+        from .scheduler import JobCancelled, JobKind
+        self._maintenance_queued = True
+        job = self.scheduler.policy.background_job(JobKind.COMPACTION, 0, time.monotonic())
+
+        async def run() -> None:
+            self._maintenance_queued = False
+            merged, gone = await asyncio.to_thread(lambda: (self.fs.compact(), self.fs.gc()))
+            if merged or gone:
+                self._event("maintenance.done", None, merged_layers=merged, removed=len(gone))
+
+        def done(f: asyncio.Future[Any]) -> None:
+            self._maintenance_queued = False
+            if not f.cancelled() and f.exception() is not None and not isinstance(f.exception(), JobCancelled):
+                log.warning("snapshot maintenance failed: %s", f.exception())
+
+        self.scheduler.submit(job, run).add_done_callback(done)
 
     # --- hot standbys --------------------------------------------------------------------------
     def _standby_lock(self, sid: str) -> threading.Lock:
