@@ -301,7 +301,8 @@ def checkpoint_ls(sandbox: str, all_states: bool = typer.Option(False, "--all", 
     for c in cks:
         c["head"] = "*" if c.get("head") else ""
         c["pause_ms"] = f"{1000 * c['durations'].get('pause', 0):.1f}" if c.get("durations") else "-"
-    _table(cks, ["head", "seq", "id", "turn", "branch", "plan", "state", "bytes", "pause_ms"])
+        c["kept"] = ", ".join(c.get("kept") or []) or ("retire" if c["state"] == "committed" else "")
+    _table(cks, ["head", "seq", "id", "turn", "branch", "plan", "state", "bytes", "pause_ms", "kept"])
 
 
 @checkpoint_app.command("inspect")

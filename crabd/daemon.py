@@ -59,6 +59,8 @@ class DaemonOptions:
     use_bpf: bool = True
     scheduler: Any = None         # a SchedulerPolicy; default: SchedulerPolicy()
     standby_policy: Any = None    # a deltacr.StandbyPolicy; default: one per sandbox, 2 GiB host-wide
+    keep_last: int = 50           # retention: newest N checkpoints per sandbox ...
+    keep_every: int = 10          # ... plus every Mth (0 = none)
 
 
 @dataclass
@@ -571,9 +573,19 @@ class Daemon:
 
     # --- checkpoints -----------------------------------------------------------------------
     def list_checkpoints(self, ref: str, owner: str | None = None, all_states: bool = False) -> list[dict[str, Any]]:
+        from .retention import keep_reasons
         row = self._own(self.store.get_sandbox(ref), owner)
         states = ("committed", "pending", "failed") if all_states else ("committed", "pending")
-        return [self._ck_summary(c, row) for c in self.store.list_checkpoints(row.id, states=states)]
+        cks = self.store.list_checkpoints(row.id, states=states)
+        why = keep_reasons([(c.id, c.seq) for c in cks if c.state == "committed"], self._retention(),
+                           head=row.head, protected=self._protected(row.id))
+        out = []
+        for c in cks:
+            d = self._ck_summary(c, row)
+            # Why retention keeps it; empty = the next idle maintenance retires it.
+            d["kept"] = why.get(c.id, []) if c.state == "committed" else []
+            out.append(d)
+        return out
 
     def _ck_summary(self, c: CheckpointRow, row: SandboxRow | None = None) -> dict[str, Any]:
         out = {k: v for k, v in c.to_dict().items() if k not in ("effects",)}
@@ -768,9 +780,15 @@ class Daemon:
 
         async def run() -> None:
             self._maintenance_queued = False
+            dropped = 0
+            for sid, t in list(self.turns.items()):
+                async with t.lock:  # no exec, rollback or capture of this sandbox meanwhile
+                    await self._wait_capture(t)
+                    dropped += await asyncio.to_thread(self._apply_retention, sid)
             merged, gone = await asyncio.to_thread(lambda: (self.fs.compact(), self.fs.gc()))
-            if merged or gone:
-                self._event("maintenance.done", None, merged_layers=merged, removed=len(gone))
+            if merged or gone or dropped:
+                self._event("maintenance.done", None, dropped_checkpoints=dropped, merged_layers=merged,
+                            removed=len(gone))
 
         def done(f: asyncio.Future[Any]) -> None:
             self._maintenance_queued = False
@@ -778,6 +796,45 @@ class Daemon:
                 log.warning("snapshot maintenance failed: %s", f.exception())
 
         self.scheduler.submit(job, run).add_done_callback(done)
+
+    def _retention(self) -> Any:
+        from .retention import Retention
+        return Retention(self.options.keep_last, self.options.keep_every)
+
+    def _protected(self, sid: str) -> set[str]:
+        prot = set(self.store.fork_bases())
+        e = self.standbys.get(sid)
+        if e is not None:
+            prot.add(e.checkpoint)
+        return prot
+
+    def _apply_retention(self, sid: str) -> int:
+        """Drop the sandbox's checkpoints the retention policy lets go, with
+        their snapshots and process images once nothing shares them."""
+        from .retention import victims
+        try:
+            row = self.store.get_sandbox(sid)
+        except NotFound:
+            return 0
+        cks = self.store.list_checkpoints(sid)
+        gone = victims([(c.id, c.seq) for c in cks], self._retention(), head=row.head,
+                       protected=self._protected(sid))
+        for cid in gone:
+            ck = self.store.drop_checkpoint(cid)
+            if ck.fs_snapshot and not ck.fs_snapshot.startswith("img-") and \
+                    self.store.fs_snapshot_refs(ck.fs_snapshot) == 0:
+                try:
+                    self.fs.remove(ck.fs_snapshot, reparent=True)
+                except deltafs.NotFound:
+                    pass
+            if ck.proc_image and self.store.proc_image_refs(ck.proc_image) == 0:
+                try:
+                    self.images.remove(ck.proc_image)
+                except Exception as e:
+                    log.info("keeping process image %s: %s", ck.proc_image, e)
+        if gone:
+            self._event("checkpoints.retired", sid, checkpoints=gone)
+        return len(gone)
 
     # --- hot standbys --------------------------------------------------------------------------
     def _standby_lock(self, sid: str) -> threading.Lock:

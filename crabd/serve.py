@@ -64,7 +64,8 @@ def bind_unix_socket(path: Path) -> socket.socket:
 
 async def serve(settings: Settings) -> None:
     opts = DaemonOptions(auto_rollback=settings.auto_rollback, snapshot_driver=settings.snapshot.driver,
-                         scheduler=settings.scheduler.policy())
+                         scheduler=settings.scheduler.policy(), keep_last=settings.retention.keep_last,
+                         keep_every=settings.retention.keep_every)
     sdnotify.status("starting: loading state")
     daemon = Daemon(settings.state_dir, options=opts)
     await daemon.start()

@@ -318,6 +318,26 @@ class Store:
         with self._lock:
             self._db.execute("DELETE FROM checkpoints WHERE id=?", (cid,))
 
+    def drop_checkpoint(self, cid: str) -> CheckpointRow:
+        """Retention: delete a checkpoint row; its children take its parent as
+        theirs, so every line stays walkable back to the initial state."""
+        with self._tx():
+            row = self._get_checkpoint_unlocked(cid)
+            for r in self._db.execute("SELECT id FROM checkpoints WHERE parent=?", (cid,)).fetchall():
+                child = self._get_checkpoint_unlocked(r[0])
+                child.parent = row.parent
+                # The parent is part of the digest: re-sign what crabd itself changed.
+                digest = self.digest(child) if child.state == "committed" else child.digest
+                self._db.execute("UPDATE checkpoints SET parent=?, digest=? WHERE id=?", (row.parent, digest, child.id))
+            self._db.execute("UPDATE sandboxes SET head=? WHERE head=?", (row.parent, cid))
+            self._db.execute("DELETE FROM checkpoints WHERE id=?", (cid,))
+        return row
+
+    def fork_bases(self) -> set[str]:
+        """Checkpoints other sandboxes were forked from."""
+        with self._lock:
+            return {r[0] for r in self._db.execute("SELECT forked_from FROM sandboxes WHERE forked_from IS NOT NULL")}
+
     def children(self, cid: str) -> list[str]:
         with self._lock:
             return [r[0] for r in self._db.execute("SELECT id FROM checkpoints WHERE parent=?", (cid,))]

@@ -406,7 +406,13 @@ class OverlaySnapshotter(Snapshotter):
     def _discard(self, row: Row) -> None:
         # Move into the trash (O(1)); the reaper thread deletes it.
         if row.kind == Kind.COMMITTED:
-            src = self._abs(f"l/{row.id}")
+            layer = f"l/{row.id}"
+            # remove(reparent=True): children still stack this layer; it
+            # stays until compaction merges it away and gc() finds it unused.
+            for r in self.meta.all():
+                if layer in r.extra.get("chain", []) or layer in r.extra.get("lowers", []):
+                    return
+            src = self._abs(layer)
         elif row.kind == Kind.ACTIVE:
             self._staged.pop(row.id, None)
             self._manifests.pop(row.id, None)

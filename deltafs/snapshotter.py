@@ -374,9 +374,16 @@ class Snapshotter(abc.ABC):
             old = self._tree(self.meta.get(a)) if a else {}
             return diff_entries(old, self._tree(self.meta.get(b)))
 
-    def remove(self, key: str) -> None:
+    def remove(self, key: str, *, reparent: bool = False) -> None:
         """Remove any snapshot; refuses while another snapshot has it as parent, or while
-        an active one is still mounted (its files are deleted)."""
+        an active one is still mounted (its files are deleted).
+
+        With `reparent=True` a committed snapshot that is a parent can go too
+        (retention of old checkpoints): its children take its parent as
+        theirs. Their content does not change: btrfs snapshots are
+        independent subvolumes, and an overlay layer stays on disk for as
+        long as a remaining chain stacks it (gc() deletes it after
+        compaction has merged it away)."""
         with self._lock:
             row = self.meta.get(key)
             if row.kind == Kind.ACTIVE:
@@ -386,12 +393,14 @@ class Snapshotter(abc.ABC):
                         f"cannot remove {key!r}: it is mounted at {', '.join(where)}; stop its sandbox and "
                         "unmount it first (deltafs.unmount(target, background=True))")
             kids = self.meta.children(row.id)
-            if kids:
+            if kids and not (reparent and row.kind == Kind.COMMITTED):
                 users = ", ".join(f"{k.name} ({k.kind})" for k in kids[:10])
                 raise FailedPrecondition(
                     f"cannot remove {key!r}: it is the parent of {users}"
                     f"{' and more' if len(kids) > 10 else ''}; remove those first")
             with self.meta.tx():
+                for k in kids:
+                    self.meta.update(k.id, parent=row.parent)
                 self.meta.delete(row.id)
             self._discard(row)
 

@@ -380,3 +380,47 @@ def test_recovery_promotes_the_hot_standby(crabd):
 
 def _sandbox_pids(sid: str) -> list[int]:
     return [int(x) for x in Path(f"/sys/fs/cgroup/freezer/crabd/{sid}/cgroup.procs").read_text().split()]
+
+
+def test_retention_retires_old_checkpoints_and_their_snapshots(runtime, busybox_image, tmp_path):
+    state = Path(tempfile.mkdtemp(prefix="crabd-ret-", dir="/var/tmp"))
+    Runtime(state).images.import_path(runtime.images.get(busybox_image).path, "busybox")
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(f'state_dir = "{state}"\nsocket = "{state}/s.sock"\n[retention]\nkeep_last = 3\nkeep_every = 4\n')
+    proc = subprocess.Popen([CRABD, "serve", "--config", str(cfg)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        c = Client(state / "s.sock")
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                c.health()
+                break
+            except FailedPrecondition:
+                assert time.monotonic() < deadline and proc.poll() is None, "daemon did not come up"
+                time.sleep(0.2)
+        sid = c.create_sandbox("busybox")["id"]
+        for i in range(1, 10):
+            c.exec(sid, f"echo {i} > /tmp/f{i}")
+        deadline = time.monotonic() + 30
+        while True:
+            seqs = [k["seq"] for k in c.checkpoints(sid)]
+            if seqs == [0, 4, 7, 8, 9] or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert seqs == [0, 4, 7, 8, 9], seqs  # the initial state, every 4th, the last 3
+        kept = {k["seq"]: k["kept"] for k in c.checkpoints(sid)}
+        assert kept[0] == ["initial"] and "every 4" in kept[4] and "head" in kept[9]
+        # What is left still rolls back exactly; parents skip the retired ones.
+        assert c.checkpoint(f"{sid}-7")["parent"] == f"{sid}-4"
+        c.rollback(sid, 4)
+        assert c.exec(sid, "ls /tmp | tr '\\n' ' '")["stdout"] == "f1 f2 f3 f4 "
+        c.rollback(sid, 9)
+        assert c.exec(sid, "cat /tmp/f9")["stdout"] == "9\n"
+        retired = [e for e in c.events(sandbox=sid) if e["kind"] == "checkpoints.retired"]
+        assert sorted(x for e in retired for x in e["data"]["checkpoints"]) == [f"{sid}-{i}" for i in (1, 2, 3, 5, 6)]
+        c.delete_sandbox(sid)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        cleanup_state_dir(state)

@@ -207,6 +207,36 @@ def test_remove_refuses_while_children_use_it(env):
         s.remove("img")
 
 
+# 11b
+def test_remove_with_reparent_keeps_every_child_intact(env):
+    """Retention: old checkpoints in the middle of a chain go; their children
+    (a later checkpoint, the live active, a fork) read the same as before."""
+    s, m = env
+    image(s, m)
+    t = m.mount(s.prepare("sb", parent="img"))
+    write(f"{t}/a", "1")
+    c1 = s.checkpoint("sb", name="c1")
+    write(f"{t}/b", "2")
+    os.unlink(f"{t}/a")
+    c2 = s.checkpoint("sb", name="c2")
+    write(f"{t}/c", "3")
+    c3 = s.checkpoint("sb", name="c3")
+    c3_before = fingerprint(m.mount(s.view("v1", c3)))
+    fork = m.mount(s.prepare("fork", parent=c2))
+    fork_before = fingerprint(fork)
+    with pytest.raises(deltafs.FailedPrecondition, match="parent of"):
+        s.remove(c2)
+    s.remove(c2, reparent=True)
+    s.remove(c1, reparent=True)
+    assert s.stat(c3).parent == "img" and s.stat("fork").parent == "img"
+    assert fingerprint(fork) == fork_before
+    assert read(f"{t}/c") == b"3" and not os.path.exists(f"{t}/a")
+    s.gc()
+    assert fingerprint(m.mount(s.view("v2", c3))) == c3_before
+    r = m.mount(s.prepare("rb", parent=c3))  # a rollback to the newest still works
+    assert sorted(os.listdir(r)) == ["b", "bin", "c", "etc", "usr"]
+
+
 # 12
 def test_remove_leaf_then_not_found(env):
     s, m = env
