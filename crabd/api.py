@@ -149,7 +149,7 @@ def make_app(daemon: Daemon, *, token: str | None = None) -> FastAPI:
 
     @app.delete("/v1/sandboxes/{sid}")
     async def delete_sandbox(sid: str) -> dict[str, Any]:
-        await call(daemon.destroy_sandbox, sid)
+        await daemon.destroy(sid)
         return {"removed": sid}
 
     @app.post("/v1/sandboxes/{sid}/exec")

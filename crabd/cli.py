@@ -419,6 +419,12 @@ def bench_cr(ctx: typer.Context) -> None:
     _bench("cr.py", ctx.args)
 
 
+@bench_app.command("recovery", context_settings=_BENCH_CTX)
+def bench_recovery(ctx: typer.Context) -> None:
+    """Recovery correctness and cost per method on agent traces (bench/recovery.py; --quick, --json, --out)."""
+    _bench("recovery.py", ctx.args)
+
+
 def main() -> None:
     app()
 

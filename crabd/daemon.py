@@ -312,6 +312,18 @@ class Daemon:
             out["status"] = "absent"
         return out
 
+    async def destroy(self, ref: str, owner: str | None = None) -> None:
+        """Destroy a sandbox once no exec, rollback (an automatic recovery
+        included) or capture of it is in flight."""
+        row = self._own(await asyncio.to_thread(self.store.get_sandbox, ref), owner)
+        t = self.turns.get(row.id)
+        if t is None:
+            await asyncio.to_thread(self.destroy_sandbox, row.id, owner)
+            return
+        async with t.lock:
+            await self._wait_capture(t)
+            await asyncio.to_thread(self.destroy_sandbox, row.id, owner)
+
     def destroy_sandbox(self, ref: str, owner: str | None = None) -> None:
         row = self._own(self.store.get_sandbox(ref), owner)
         # Out of `turns` first: a standby refresh that starts from now on sees
@@ -992,10 +1004,14 @@ class Daemon:
                     await self._auto_recover(sid)
 
     async def _auto_recover(self, sid: str) -> None:
-        t = self.turns.setdefault(sid, Turns())
+        t = self.turns.get(sid)
+        if t is None:
+            return  # destroyed meanwhile
         t.recovering = True
         try:
             await self.rollback(sid, None, reason="automatic recovery after the sandbox died")
+        except NotFound:
+            pass  # destroyed while it waited: nothing to recover
         except Exception as e:
             log.exception("automatic rollback of %s failed", sid)
             self._event("sandbox.recovery_failed", sid, error=str(e))
