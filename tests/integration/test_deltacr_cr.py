@@ -423,7 +423,7 @@ def test_hot_standby_promotion_swaps_in_the_checkpoint(cr_runtime, debian_image,
     sb2 = promote_standby(rt, st)
 
     assert sb2.status == "running"
-    assert st.promote_ms is not None and st.promote_ms < 1000
+    assert st.promote_ms is not None  # its latency is measured by bench/cr.py, not asserted
     assert probe(rt, sb) == "2"
     assert procs(rt, sb) == before
     assert sh(rt, sb, "ls /standby-marker").strip() == "/standby-marker"  # running on the fork

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,14 +25,12 @@ def test_doctor_reports_every_check_ok():
         assert set(c) == {"name", "status", "detail", "fix"}
 
 
-def test_setup_host_rerun_is_fast_and_changes_nothing():
-    t = time.monotonic()
+def test_setup_host_rerun_changes_nothing():
+    # (How long a re-run takes is measured, not asserted: README.md, `time scripts/setup-host`.)
     r = subprocess.run([str(ROOT / "scripts" / "setup-host")], capture_output=True, text=True, timeout=120)
-    took = time.monotonic() - t
     assert r.returncode == 0, r.stderr
     lines = [ln.split(None, 1) for ln in r.stdout.splitlines() if ln.strip()]
     steps = {ln[0]: ln[1] for ln in lines}
     assert "done" in steps
     changed = {k: v for k, v in steps.items() if k != "done" and not v.startswith(("ok", "skipped"))}
     assert not changed, f"a re-run changed something: {changed}"
-    assert took < 20, f"re-running setup-host took {took:.1f} s (limit 20 s)"

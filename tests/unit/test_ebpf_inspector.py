@@ -395,7 +395,5 @@ def test_end_turn_waits_for_new_processes_to_settle():
             return i.__class__(i.pid, i.start, i.cpu, i.switches, True, i.comm, i.cmdline)
     busy = Busy()
     busy.start(CG, 5, ("yes",))
-    import time
-    t0 = time.monotonic()
-    settled_snapshot(busy, CG, {}, max_wait=0.05, step=0.005)
-    assert time.monotonic() - t0 < 0.5
+    snap = settled_snapshot(busy, CG, {}, max_wait=0.05, step=0.005)  # returns: it gave up
+    assert 5 in snap

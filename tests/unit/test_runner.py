@@ -2,7 +2,6 @@
 
 import os
 import threading
-import time
 
 import pytest
 
@@ -22,10 +21,13 @@ def test_missing_program_says_how_to_fix():
 
 
 def test_capture_does_not_wait_for_background_children():
-    t = time.monotonic()
-    c = SubprocessRunner().capture(["sh", "-c", "sleep 30 & echo started"], timeout=10, input=None, cap=1000)
-    assert time.monotonic() - t < 5
+    c = SubprocessRunner().capture(["sh", "-c", "sleep 30 & echo started; echo $! >&2"], timeout=10,
+                                   input=None, cap=1000)
     assert c.stdout == b"started\n" and c.returncode == 0 and not c.timed_out
+    # The child holding the pipes is still alive: capture did not wait for it.
+    child = int(c.stderr)
+    os.kill(child, 0)
+    os.kill(child, 9)
 
 
 def test_capture_caps_output_and_counts_the_rest():
@@ -41,25 +43,22 @@ def test_capture_feeds_stdin():
 
 def test_capture_timeout_kills_the_process_group():
     calls = []
-    t = time.monotonic()
     c = SubprocessRunner().capture(["sh", "-c", "echo before; sleep 30"], timeout=0.5, input=None, cap=1000,
                                    on_timeout=lambda: calls.append(1))
     assert c.timed_out and c.returncode is None and calls == [1]
     assert c.stdout == b"before\n"
-    assert time.monotonic() - t < 5
 
 
 def test_capture_waits_for_a_status_line():
     r, w = os.pipe()
     # The launcher exits at once (as runc exec --detach does); the command's
     # wrapper reports later on the status fd.
-    t = time.monotonic()
     threading.Timer(0.3, lambda: os.write(w, b"X 7\n")).start()
     c = SubprocessRunner().capture(["true"], timeout=10, input=None, cap=100,
                                    status_fd=r, still_running=lambda: True)
     os.close(w)
     os.close(r)
-    assert c.status == "X 7" and time.monotonic() - t >= 0.29
+    assert c.status == "X 7"  # sent after the launcher exited: capture waited for it
 
 
 def test_capture_ends_when_the_wrapper_vanishes_without_status():
