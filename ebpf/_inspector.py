@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ebpf._events import MAX_TAGS, Event
-from ebpf._proc import HostProcessTable, ProcessTable, ProcInfo, settled_snapshot
+from ebpf._proc import HostProcessTable, ProcessTable, ProcInfo, settled_snapshot, snapshot
 from ebpf._turn import DEFAULT_STATELESS, TurnRecorder
 from ebpf.effects import MAX_SAMPLES, Effects
 from ebpf.errors import AlreadyWatched, BPFUnavailable, InvalidArgument, NotWatched
@@ -180,14 +180,6 @@ class Inspector:
         self._opened = False
 
     # -- sandboxes
-    def _snapshot(self, w_path: Path) -> dict[int, ProcInfo]:
-        out = {}
-        for pid in self._procs.pids(w_path):
-            info = self._procs.info(pid)
-            if info is not None:
-                out[pid] = info
-        return out
-
     def watch(
         self,
         sandbox_id: str,
@@ -249,7 +241,7 @@ class Inspector:
                     raise BPFUnavailable(f"pid-following mode needs init_pid or processes in {path}")
                 for pid in pids:
                     self._loader.add_pid(pid, tag)
-            w.baseline = self._snapshot(path)
+            w.baseline = snapshot(self._procs, path)
             self._sandboxes[sandbox_id] = w
             self._by_tag[tag] = w
 

@@ -129,6 +129,16 @@ def _addr(hexaddr: str, v6: bool) -> str:
     return f"{ipaddress.IPv4Address(raw[::-1])}:{int(port, 16)}"
 
 
+def snapshot(table: ProcessTable, cgroup_path: Path) -> dict[int, ProcInfo]:
+    """The cgroup's processes now, pid -> ProcInfo (ones that vanish while read are left out)."""
+    out = {}
+    for pid in table.pids(cgroup_path):
+        info = table.info(pid)
+        if info is not None:
+            out[pid] = info
+    return out
+
+
 def settled_snapshot(
     table: ProcessTable,
     cgroup_path: Path,
@@ -146,12 +156,7 @@ def settled_snapshot(
     counts as running, which is conservative)."""
 
     def snap() -> dict[int, ProcInfo]:
-        out = {}
-        for pid in table.pids(cgroup_path):
-            info = table.info(pid)
-            if info is not None:
-                out[pid] = info
-        return out
+        return snapshot(table, cgroup_path)
 
     def new(s: dict[int, ProcInfo]) -> set[int]:
         return {p for p, i in s.items() if p not in before or before[p].start != i.start}

@@ -19,11 +19,11 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ebpf._proc import HostProcessTable, ProcessTable, ProcInfo, settled_snapshot
+from ebpf._proc import HostProcessTable, ProcessTable, ProcInfo, settled_snapshot, snapshot
 from ebpf._turn import DEFAULT_STATELESS, TurnRecorder, external_tool, package_manager
 from ebpf.effects import MAX_SAMPLES, Effects, ExecRecord, Sample
 from ebpf.errors import AlreadyWatched, NotWatched
@@ -80,14 +80,6 @@ class ProcInspector:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _snapshot(self, path: Path) -> dict[int, ProcInfo]:
-        out = {}
-        for pid in self._procs.pids(path):
-            info = self._procs.info(pid)
-            if info is not None:
-                out[pid] = info
-        return out
-
     def watch(
         self,
         sandbox_id: str,
@@ -103,7 +95,7 @@ class ProcInspector:
             if sandbox_id in self._sandboxes:
                 raise AlreadyWatched(f"sandbox {sandbox_id!r} is already watched")
             path = Path(cgroup_path)
-            self._sandboxes[sandbox_id] = _Watched(sandbox_id, path, self._snapshot(path), stateless=stateless_comms)
+            self._sandboxes[sandbox_id] = _Watched(sandbox_id, path, snapshot(self._procs, path), stateless=stateless_comms)
         if self._probe is not None:
             self._probe(sandbox_id)  # start the probe's "since" at watch time
 
