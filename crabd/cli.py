@@ -208,6 +208,15 @@ def _client(socket: Optional[Path]):  # type: ignore[no-untyped-def]
     return Client(socket)
 
 
+def _show(record: dict[str, Any], as_json: bool) -> None:
+    """One record: JSON, or a `key: value` line per field."""
+    if as_json:
+        _print_json(record)
+        return
+    for k, v in record.items():
+        out.print(f"[bold]{k}[/bold]: {v}", highlight=False)
+
+
 def _table(rows: list[dict[str, Any]], cols: list[str]) -> None:
     t = Table(box=None, header_style="bold")
     for c in cols:
@@ -242,12 +251,7 @@ def sandbox_ls(socket: Optional[Path] = SocketOpt, as_json: bool = JsonOpt) -> N
 @sandbox_app.command("inspect")
 def sandbox_inspect(sandbox: str, socket: Optional[Path] = SocketOpt, as_json: bool = JsonOpt) -> None:
     """Show one sandbox."""
-    sb = _guard(lambda: _client(socket).sandbox(sandbox), as_json)
-    if as_json:
-        _print_json(sb)
-    else:
-        for k, v in sb.items():
-            out.print(f"[bold]{k}[/bold]: {v}", highlight=False)
+    _show(_guard(lambda: _client(socket).sandbox(sandbox), as_json), as_json)
 
 
 @sandbox_app.command("rm")
@@ -308,12 +312,7 @@ def checkpoint_ls(sandbox: str, all_states: bool = typer.Option(False, "--all", 
 @checkpoint_app.command("inspect")
 def checkpoint_inspect(checkpoint: str, socket: Optional[Path] = SocketOpt, as_json: bool = JsonOpt) -> None:
     """Show a checkpoint with its Effects, Plan, sizes and timings."""
-    ck = _guard(lambda: _client(socket).checkpoint(checkpoint), as_json)
-    if as_json:
-        _print_json(ck)
-    else:
-        for k, v in ck.items():
-            out.print(f"[bold]{k}[/bold]: {v}", highlight=False)
+    _show(_guard(lambda: _client(socket).checkpoint(checkpoint), as_json), as_json)
 
 
 @checkpoint_app.command("create")

@@ -34,12 +34,11 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import deltafs
-import psutil
 from deltafs import mount_all, unmount
 
 from . import config
 from .errors import CrabdError, FailedPrecondition, InvalidArgument, NotFound
-from .runtime import Freezer, Limits, Runtime
+from .runtime import Freezer, Limits, Runtime, pid_alive, reap
 from .metrics import PHASES
 from .store import SCHEMA_VERSION, CheckpointRow, SandboxRow, Store
 
@@ -503,26 +502,7 @@ class Daemon:
         name = f"{ck.id}"
         if ck.plan == "FS_PROC":
             return self._capture_proc(ck, row, d, t_start)
-        t_freeze = time.monotonic()
-        frozen = False
-        # The freezer file directly: no runc process on the pause's path.
-        freezer = Freezer(self.runtime.layout, f"/crabd/{ck.sandbox_id}")
-        try:
-            try:
-                freezer.freeze()
-                frozen = True
-            except CrabdError:
-                frozen = False  # a stopped sandbox has nothing running to freeze
-            d["freeze"] = time.monotonic() - t_freeze
-            t = time.monotonic()
-            self.fs.checkpoint(row.fs_key, name=name)
-            d["fs_commit"] = time.monotonic() - t
-        finally:
-            if frozen:
-                t = time.monotonic()
-                freezer.thaw()
-                d["thaw"] = time.monotonic() - t
-        d["pause"] = time.monotonic() - t_freeze
+        self._frozen_fs_checkpoint(ck.sandbox_id, row.fs_key, name, d)
         t = time.monotonic()
         self.fs.sync()
         d["sync"] = time.monotonic() - t
@@ -536,6 +516,31 @@ class Daemon:
         self.metrics.observe_checkpoint({k: v for k, v in d.items() if k in PHASES}, size)
         self._event("checkpoint.committed", ck.sandbox_id, checkpoint=ck.id, plan=ck.plan, bytes=size,
                     pause_ms=round(d["pause"] * 1000, 3))
+
+    def _frozen_fs_checkpoint(self, sid: str, key: str, name: str, d: dict[str, float]) -> None:
+        """Commit `key` as snapshot `name` with the sandbox frozen; records the
+        freeze, fs_commit, thaw and pause phases in `d`. A sandbox whose
+        processes are gone has nothing to freeze: its files are committed as
+        they are."""
+        # The freezer file directly: no runc process on the pause's path.
+        freezer = Freezer(self.runtime.layout, f"/crabd/{sid}")
+        t_freeze = time.monotonic()
+        try:
+            freezer.freeze()
+            frozen = True
+        except CrabdError:
+            frozen = False
+        d["freeze"] = time.monotonic() - t_freeze
+        try:
+            t = time.monotonic()
+            self.fs.checkpoint(key, name=name)
+            d["fs_commit"] = time.monotonic() - t
+        finally:
+            if frozen:
+                t = time.monotonic()
+                freezer.thaw()
+                d["thaw"] = time.monotonic() - t
+            d["pause"] = time.monotonic() - t_freeze
 
     def _capture_proc(self, ck: CheckpointRow, row: SandboxRow, d: dict[str, float], t_start: float) -> None:
         """FS and processes at one instant: frozen from the FS commit to the
@@ -559,14 +564,7 @@ class Daemon:
             if fs_done is None:
                 # The dump was refused before the file system was committed
                 # (or the commit itself failed): take the FS checkpoint now.
-                freezer = Freezer(self.runtime.layout, f"/crabd/{ck.sandbox_id}")
-                t = time.monotonic()
-                try:
-                    freezer.freeze()
-                    self.fs.checkpoint(row.fs_key, name=ck.id)
-                finally:
-                    freezer.thaw()
-                d["pause"] = time.monotonic() - t
+                self._frozen_fs_checkpoint(ck.sandbox_id, row.fs_key, ck.id, d)
         t = time.monotonic()
         self.fs.sync()
         d["sync"] = time.monotonic() - t
@@ -982,15 +980,9 @@ class Daemon:
             for sid, t in list(self.turns.items()):
                 if t.recovering or t.init_pid is None or t.lock.locked():
                     continue
-                if _alive(t.init_pid):
+                if pid_alive(t.init_pid):
                     continue
-                # An init restored by CRIU (runc restore --detach) is this
-                # process's child (we are a subreaper): reap it, or it stays
-                # a zombie that runc still reports as running.
-                try:
-                    os.waitpid(t.init_pid, os.WNOHANG)
-                except ChildProcessError:
-                    pass
+                reap(t.init_pid)
                 try:
                     sb = await asyncio.to_thread(self.runtime.get, sid)
                 except NotFound:
@@ -1023,13 +1015,6 @@ class Daemon:
         return {"ok": True, "sandboxes": len(self.turns), "uptime_s": round(time.time() - self.started_at, 1),
                 "fs_driver": self.fs.driver, "inspector": getattr(self.inspector, "source", "proc"),
                 "schema_version": SCHEMA_VERSION}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def _change_dict(ch: Any) -> dict[str, Any]:

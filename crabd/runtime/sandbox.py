@@ -307,7 +307,8 @@ class Runtime:
             raise InvalidArgument("cmd contains a NUL byte")
         if timeout is not None and timeout <= 0:
             raise InvalidArgument("timeout must be positive")
-        img_env = _image_env(self, sb)
+        img = self._image_of(sb)  # read once: env and working dir
+        img_env = tuple(img.env) if img else ()
         full_env = _merge_env(_merge_env(DEFAULT_ENV, img_env), tuple(f"{k}={v}" for k, v in (env or {}).items()))
         tok = secrets.token_hex(6)
         pidfile = sb.dir / f"exec-{tok}.pid"
@@ -317,7 +318,7 @@ class Runtime:
         # before the wrapper has opened it; completion is the status line.
         status_fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
         rargv = [self.runc_bin, "--root", str(self.runc_root), "exec", "--detach", "--pid-file", str(pidfile)]
-        rargv += ["--cwd", cwd or _image_workdir(self, sb)]
+        rargv += ["--cwd", cwd or (img.workdir if img else "/") or "/"]
         for e in full_env:
             rargv += ["--env", e]
         rargv += [sb.id, INIT_PATH, "--run", f"{RUN_PATH}/{fifo.name}", "--", *argv]
@@ -418,13 +419,8 @@ class Runtime:
             while self._status(sb.id)[0] not in ("stopped", "absent"):
                 if time.monotonic() > deadline:
                     break
-                # An init restored by CRIU is our child (we are a subreaper):
-                # until it is reaped it is a zombie that runc calls running.
                 if pid:
-                    try:
-                        os.waitpid(pid, os.WNOHANG)
-                    except ChildProcessError:
-                        pass
+                    reap(pid)
                 time.sleep(0.01)
         self._runc("delete", "--force", sb.id, check=False, context=f"runc delete of {sb.id}")
         if self._status(sb.id)[0] != "absent":
@@ -446,6 +442,13 @@ class Runtime:
     def _runc(self, *args: str, check: bool = True, context: str = "", log: str | None = None):  # type: ignore[no-untyped-def]
         argv = [self.runc_bin, "--root", str(self.runc_root), *args]
         return self.runner.run(argv, timeout=60, check=check, context=context or f"runc {args[0]}", log=log)
+
+    def _image_of(self, sb: Sandbox) -> Any:
+        """The sandbox's image, or None once it was removed."""
+        try:
+            return self.images.get(sb.image)
+        except NotFound:
+            return None
 
     def _lock(self, sid: str) -> threading.Lock:
         with self._locks_guard:
@@ -493,20 +496,6 @@ def _merge_env(base: tuple[str, ...], extra: tuple[str, ...]) -> tuple[str, ...]
     return tuple(f"{k}={v}" for k, v in merged.items())
 
 
-def _image_env(rt: Runtime, sb: Sandbox) -> tuple[str, ...]:
-    try:
-        return tuple(rt.images.get(sb.image).env)
-    except NotFound:
-        return ()
-
-
-def _image_workdir(rt: Runtime, sb: Sandbox) -> str:
-    try:
-        return rt.images.get(sb.image).workdir or "/"
-    except NotFound:
-        return "/"
-
-
 def _become_subreaper() -> None:
     import ctypes
     PR_SET_CHILD_SUBREAPER = 36
@@ -521,15 +510,29 @@ def _read_pid(pidfile: Path) -> int | None:
         return None
 
 
-def _pid_alive(pidfile: Path) -> bool:
-    """Is the process named by `pidfile` alive (not gone, not a zombie)?"""
-    pid = _read_pid(pidfile)
-    if pid is None:
-        return False
+def pid_alive(pid: int) -> bool:
+    """Is process `pid` alive (not gone, not a zombie)?"""
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def reap(pid: int) -> None:
+    """Reap `pid` if it is an exited child of this process. crabd is a child
+    subreaper (see Runtime), so a sandbox init restored by CRIU (`runc
+    restore --detach`) becomes its child; unreaped, it stays a zombie that
+    runc still reports as running."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def _pid_alive(pidfile: Path) -> bool:
+    """Is the process named by `pidfile` alive?"""
+    pid = _read_pid(pidfile)
+    return pid is not None and pid_alive(pid)
 
 
 def _kill_tree_from_pidfile(pidfile: Path) -> None:
