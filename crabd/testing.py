@@ -11,16 +11,25 @@ command and answers from rules keyed on argument words, e.g.
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from .errors import CommandFailed
+from .errors import CommandFailed, FailedPrecondition
 from .runner import Captured, Completed
 
-__all__ = ["FakeRunner", "cleanup_state_dir"]
+if TYPE_CHECKING:
+    from .client import Client
+
+__all__ = ["FakeRunner", "DaemonHandle", "cleanup_state_dir"]
+
+CRABD = str(Path(sys.executable).parent / "crabd")
 
 
 @dataclass
@@ -80,3 +89,53 @@ def cleanup_state_dir(path: Path) -> None:
     for mp in sorted(mps, key=len, reverse=True):
         subprocess.run(["umount", "-l", mp], capture_output=True)
     shutil.rmtree(path, ignore_errors=True)
+
+
+class DaemonHandle:
+    """A real `crabd serve` child on a state dir, for integration tests and
+    benches: start, kill -9, restart, stop; extra serve flags and environment."""
+
+    def __init__(self, state: Path, args: list[str] | None = None, env: dict[str, str] | None = None) -> None:
+        self.state = Path(state)
+        self.socket = self.state / "api.sock"
+        self.log = self.state / "daemon.log"
+        self.args = list(args or [])
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = None if self.env is None else {**os.environ, **self.env}
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen([CRABD, "serve", "--state-dir", str(self.state), "--socket", str(self.socket),
+                                          *self.args], stdout=log, stderr=log, start_new_session=True, env=env)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"crabd serve exited: {self.log.read_text()[-2000:]}")
+            try:
+                _client(self.socket).health()
+                return
+            except FailedPrecondition:
+                time.sleep(0.2)
+        raise AssertionError(f"crabd serve did not answer in 90 s: {self.log.read_text()[-2000:]}")
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill9()
+
+    def client(self) -> Client:
+        return _client(self.socket)
+
+
+def _client(socket: Path) -> "Client":
+    from .client import Client  # the client imports httpx; unit fakes above do not need it
+    return Client(socket)

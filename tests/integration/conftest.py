@@ -107,3 +107,41 @@ def sandbox_factory(runtime):
         except Exception:
             pass
 
+
+
+@pytest.fixture
+def start_daemon(runtime, busybox_image):
+    """start_daemon(args=[...], env={...}, images=("busybox",), state=None) -> a
+    started DaemonHandle on its own state dir (under /var/tmp) with the named
+    test images imported; stopped and cleaned up after the test."""
+    import tempfile
+
+    from crabd.runtime import Runtime
+    from crabd.testing import DaemonHandle, cleanup_state_dir
+
+    made: list[DaemonHandle] = []
+
+    def start(args=None, env=None, images=(BUSYBOX_IMAGE,), state=None):
+        st = Path(state) if state else Path(tempfile.mkdtemp(prefix="crabd-test-", dir="/var/tmp"))
+        imgs = Runtime(st).images
+        for name in images:
+            if name == DEBIAN_IMAGE and not runtime.images.exists(DEBIAN_IMAGE):
+                runtime.images.build_debian(DEBIAN_IMAGE)
+            if not imgs.exists(name):
+                imgs.import_path(runtime.images.get(name).path, name)
+        d = DaemonHandle(st, args=args, env=env)
+        d.start()
+        made.append(d)
+        return d
+
+    yield start
+    for d in made:
+        try:
+            if d.proc and d.proc.poll() is None:
+                c = d.client()
+                for sb in c.sandboxes():
+                    c.delete_sandbox(sb["id"])
+        except Exception:
+            pass
+        d.stop()
+        cleanup_state_dir(d.state)

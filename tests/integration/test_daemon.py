@@ -23,49 +23,7 @@ from crabd.client import Client
 from crabd.errors import FailedPrecondition, NotFound
 from crabd.runtime import Runtime
 
-from crabd.testing import cleanup_state_dir
-
-CRABD = str(Path(sys.executable).parent / "crabd")
-
-
-class DaemonHandle:
-    def __init__(self, state: Path) -> None:
-        self.state = state
-        self.socket = state / "api.sock"
-        self.log = state / "daemon.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([CRABD, "serve", "--state-dir", str(self.state), "--socket", str(self.socket)],
-                                         stdout=log, stderr=log, start_new_session=True)
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"crabd serve exited: {self.log.read_text()[-2000:]}")
-            try:
-                Client(self.socket).health()
-                return
-            except FailedPrecondition:
-                time.sleep(0.2)
-        raise AssertionError(f"crabd serve did not answer in 90 s: {self.log.read_text()[-2000:]}")
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill9()
-
-    def client(self) -> Client:
-        return Client(self.socket)
-
+from crabd.testing import DaemonHandle, cleanup_state_dir
 
 @pytest.fixture(scope="module")
 def crabd(runtime, busybox_image, debian_image):
