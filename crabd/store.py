@@ -85,6 +85,52 @@ MIGRATIONS: list[str] = [
         data        TEXT NOT NULL DEFAULT '{}'
     );
     """,
+    # 2: effects ledger and budgets (per sandbox lineage; see crabd/effects.py)
+    """
+    CREATE TABLE effects (
+        id            TEXT PRIMARY KEY,
+        lineage       TEXT NOT NULL,
+        sandbox_id    TEXT,                   -- no FK: the ledger outlives deleted sandboxes
+        branch        INTEGER NOT NULL DEFAULT 0,
+        turn          INTEGER NOT NULL DEFAULT 0,
+        checkpoint    TEXT,                   -- latest checkpoint when the intent was made
+        op            TEXT NOT NULL,
+        key           TEXT,                   -- idempotency key (may be NULL)
+        fingerprint   TEXT NOT NULL,          -- canonical argument fingerprint
+        postcondition TEXT,
+        kind          TEXT NOT NULL DEFAULT 'managed',   -- managed | unmanaged
+        state         TEXT NOT NULL,          -- intent | committed | failed | unknown
+        receipt       TEXT,                   -- JSON
+        result_digest TEXT,
+        error         TEXT,
+        replays       INTEGER NOT NULL DEFAULT 0,
+        created_at    REAL NOT NULL,
+        updated_at    REAL NOT NULL,
+        digest        TEXT
+    );
+    CREATE INDEX effects_by_key ON effects (lineage, op, key);
+    CREATE INDEX effects_by_fingerprint ON effects (lineage, op, fingerprint);
+    CREATE INDEX effects_by_sandbox ON effects (sandbox_id, created_at);
+    CREATE TABLE effect_policies (
+        lineage     TEXT NOT NULL,
+        op          TEXT NOT NULL,
+        policy      TEXT NOT NULL,            -- replay | allow | ask
+        PRIMARY KEY (lineage, op)
+    );
+    CREATE TABLE budgets (
+        lineage       TEXT PRIMARY KEY,
+        max_turns     INTEGER,                -- NULL: no limit
+        max_wall_s    REAL,
+        max_cost      REAL,
+        max_retries   INTEGER,
+        used_turns    INTEGER NOT NULL DEFAULT 0,
+        used_wall_s   REAL NOT NULL DEFAULT 0,
+        used_cost     REAL NOT NULL DEFAULT 0,
+        used_retries  INTEGER NOT NULL DEFAULT 0,
+        updated_at    REAL NOT NULL,
+        digest        TEXT
+    );
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
