@@ -10,53 +10,95 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .daemon import Daemon
-from .errors import CrabdError, ExecTimeout
+from .errors import CrabdError, ExecTimeout, NotFound
 from .runtime import Limits
 
 __all__ = ["make_app"]
 
 MAX_BODY = 8 * 1024 * 1024
+# Sandbox ids and names, checkpoint ids: no "..", "/", NUL or other bytes a
+# path could be built from (ids never become paths, but refuse them early).
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+MAX_SEQ = 2**63 - 1  # SQLite's INTEGER
+
+
+def _utf8(v: str) -> str:
+    # Lone surrogates (JSON "\ud800") are valid JSON but no UTF-8: they would
+    # fail deep in subprocess/sqlite with a 500.
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("not valid UTF-8 (lone surrogate)") from None
+    return v
+
+
+def _text(v: str) -> str:
+    if "\x00" in v:
+        raise ValueError("contains a NUL byte")
+    return _utf8(v)
+
+
+Text = Annotated[str, AfterValidator(_text)]
+Utf8 = Annotated[str, AfterValidator(_utf8)]
+
+
+def _env_key(v: str) -> str:
+    if not v or "=" in v:
+        raise ValueError("environment variable names are non-empty and have no '='")
+    return _text(v)
+
+
+def _argv(v: list[str] | str) -> list[str] | str:
+    if isinstance(v, list) and not v:
+        raise ValueError("argv is empty")
+    return v
+
+
+Id = Annotated[str, PathParam(pattern=ID_PATTERN, max_length=128, description="an id (or a sandbox's name)")]
 
 
 class LimitsIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    memory_bytes: int | None = Field(2 * 1024**3, ge=16 * 1024**2)
+    model_config = ConfigDict(extra="forbid", strict=True)
+    memory_bytes: int | None = Field(2 * 1024**3, ge=16 * 1024**2, le=1 << 50)
     pids: int | None = Field(1024, ge=8, le=1_000_000)
     cpus: float | None = Field(None, gt=0, le=1024)
 
 
 class SandboxCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    image: str = Field(min_length=1, max_length=63)
-    name: str | None = Field(None, min_length=1, max_length=63)
+    model_config = ConfigDict(extra="forbid", strict=True)
+    image: Text = Field(min_length=1, max_length=63)
+    name: Text | None = Field(None, min_length=1, max_length=63)
     limits: LimitsIn | None = None
 
 
 class ExecIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    cmd: list[str] | str = Field(description="argv list, or a string run by /bin/sh -c")
+    model_config = ConfigDict(extra="forbid", strict=True)
+    cmd: Annotated[list[Text] | Text, AfterValidator(_argv)] = Field(
+        description="argv list, or a string run by /bin/sh -c")
     timeout: float | None = Field(600.0, gt=0, le=86400)
-    env: dict[str, str] | None = None
-    cwd: str | None = Field(None, max_length=4096)
-    stdin: str | None = Field(None, max_length=MAX_BODY)
+    env: dict[Annotated[str, AfterValidator(_env_key)], Text] | None = None
+    cwd: Text | None = Field(None, min_length=1, max_length=4096)
+    stdin: Utf8 | None = Field(None, max_length=MAX_BODY)
 
 
 class RollbackIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    checkpoint: str | int | None = Field(None, description="checkpoint id or sequence number; latest when omitted")
+    model_config = ConfigDict(extra="forbid", strict=True)
+    checkpoint: Annotated[str, Field(pattern=ID_PATTERN)] | Annotated[int, Field(ge=0, le=MAX_SEQ)] | None = Field(
+        None, description="checkpoint id or sequence number; latest when omitted")
 
 
 class ForkIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     count: int = Field(1, ge=1, le=64)
 
 
@@ -75,34 +117,144 @@ def _err(status: int, code: str, message: str, fix: str | None = None) -> JSONRe
 
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    404: {"model": ErrorOut}, 409: {"model": ErrorOut}, 422: {"model": ErrorOut},
+    s: {"model": ErrorOut} for s in (401, 404, 408, 409, 413, 422, 500)
 }
 
 
-def make_app(daemon: Daemon, *, token: str | None = None) -> FastAPI:
-    """The API. With `token`, requests that arrive over TCP must carry
-    `Authorization: Bearer <token>`; the unix socket is guarded by its mode."""
-    app = FastAPI(title="crabd", version="1", description="Recoverable sandboxes for AI agents.",
-                  responses=_ERRORS)
+async def _send_error(send: Any, status: int, code: str, message: str, fix: str | None = None) -> None:
+    body = json.dumps({"error": {"code": code, "message": message, "fix": fix}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
-    @app.middleware("http")
-    async def bearer_on_tcp(request: Request, call_next: Any) -> Response:
-        server = request.scope.get("server")
+
+class _Guard:
+    """Raw ASGI middleware in front of every route.
+
+    Authentication: over TCP a request must carry `Authorization: Bearer T`
+    with T the token of `token_file` (owner: none, sees everything) or a
+    token of `tokens_file` (owner: its name); otherwise 401. On the unix
+    socket (guarded by its mode) no token is needed (no owner); one that is
+    sent must be valid and scopes the request to its owner.
+
+    Body size: at most MAX_BODY bytes, read as it arrives (chunked bodies
+    too, which carry no Content-Length) and answered 413 at the first byte
+    over, never buffered whole beyond the limit."""
+
+    def __init__(self, app: Any, token: str | None = None, tokens: dict[str, str] | None = None) -> None:
+        self.app = app
+        self.token = token
+        self.tokens = dict(tokens or {})
+
+    def _owner(self, header: str) -> tuple[bool, str | None]:
+        import hmac
+        if not header.startswith("Bearer "):
+            return False, None
+        got = header[7:].strip().encode()
+        ok, owner = False, None
+        if self.token is not None and hmac.compare_digest(got, self.token.encode()):
+            ok = True
+        for tok, name in self.tokens.items():  # compare with all: no early exit
+            if hmac.compare_digest(got, tok.encode()):
+                ok, owner = True, name
+        return ok, owner
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        server = scope.get("server")
         over_tcp = isinstance(server, (tuple, list)) and len(server) == 2 and isinstance(server[1], int)
-        if over_tcp:
-            import hmac
-            got = request.headers.get("authorization", "")
-            if token is None or not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
-                return _err(401, "unauthenticated", "missing or wrong bearer token",
-                            "send Authorization: Bearer <the token in crabd's token_file>")
-        return await call_next(request)
-
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next: Any) -> Response:
-        length = request.headers.get("content-length")
+        auth = headers.get("authorization")
+        owner: str | None = None
+        if over_tcp or auth is not None:
+            ok, owner = self._owner(auth or "")
+            if not ok:
+                return await _send_error(send, 401, "unauthenticated", "missing or wrong bearer token",
+                                         "send Authorization: Bearer <a token of crabd's token_file or tokens_file>")
+        scope.setdefault("state", {})["crabd_owner"] = owner
+        length = headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY):
-            return _err(413, "too_large", f"request body over {MAX_BODY} bytes")
-        return await call_next(request)
+            return await _send_error(send, 413, "too_large", f"request body over {MAX_BODY} bytes",
+                                     "send a smaller body (stdin is limited to the same size)")
+        # Read the body as it streams in, up to the limit, then replay it.
+        chunks: list[bytes] = []
+        size = 0
+        more = scope.get("method") not in ("GET", "HEAD", "DELETE") or length not in (None, "0")
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            part = msg.get("body", b"")
+            size += len(part)
+            if size > MAX_BODY:
+                return await _send_error(send, 413, "too_large", f"request body over {MAX_BODY} bytes",
+                                         "send a smaller body (stdin is limited to the same size)")
+            chunks.append(part)
+            more = msg.get("more_body", False)
+        body = b"".join(chunks)
+        sent = False
+
+        async def replay() -> Any:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def _owner(request: Request) -> str | None:
+    """The owner a request acts for (its token's name), None = no owner scope."""
+    return request.scope.get("state", {}).get("crabd_owner")
+
+
+Owner = Annotated[str | None, Depends(_owner)]
+
+
+def make_app(daemon: Daemon, *, token: str | None = None, tokens: dict[str, str] | None = None) -> FastAPI:
+    """The API. With `token` (token_file) or `tokens` (tokens_file: token ->
+    owner), requests that arrive over TCP must carry `Authorization: Bearer
+    <token>`; the unix socket is guarded by its mode. A request with an
+    owner's token sees and changes only that owner's sandboxes, their
+    checkpoints and events; others' are 404, as if they did not exist."""
+
+    def _ck_owned(cid: str, owner: str) -> None:
+        try:
+            c = daemon.store.get_checkpoint(cid)
+            daemon._own(daemon.store.get_sandbox(c.sandbox_id), owner)
+        except NotFound:
+            raise NotFound(f"no checkpoint {cid!r}", fix="GET /v1/sandboxes/{id}/checkpoints lists them") from None
+
+    async def owner_scope(request: Request) -> None:
+        """Every route with a sandbox or checkpoint id in its path, for a
+        request with an owner: another owner's ids are 404 (routes added by
+        other modules included)."""
+        owner = _owner(request)
+        p = request.path_params
+        if owner is None or not p:
+            return
+
+        def check() -> None:
+            if "sid" in p:
+                daemon._own(daemon.store.get_sandbox(p["sid"]), owner)
+            for key in ("cid", "a", "b"):
+                if key in p:
+                    _ck_owned(p[key], owner)
+            if "eid" in p:
+                get = getattr(getattr(daemon, "ledger", None), "get", None)
+                try:
+                    sid = get(p["eid"]).get("sandbox_id") if get else None
+                    daemon._own(daemon.store.get_sandbox(sid), owner)
+                except (NotFound, AttributeError, TypeError):
+                    raise NotFound(f"no effect {p['eid']!r}") from None
+
+        await asyncio.to_thread(check)
+
+    app = FastAPI(title="crabd", version="1", description="Recoverable sandboxes for AI agents.",
+                  responses=_ERRORS, dependencies=[Depends(owner_scope)])
+    app.add_middleware(_Guard, token=token, tokens=tokens)
 
     @app.exception_handler(CrabdError)
     async def crabd_error(request: Request, e: CrabdError) -> JSONResponse:
@@ -133,83 +285,98 @@ def make_app(daemon: Daemon, *, token: str | None = None) -> FastAPI:
 
     # --- sandboxes ------------------------------------------------------------------
     @app.post("/v1/sandboxes", status_code=201)
-    async def create_sandbox(body: SandboxCreate) -> dict[str, Any]:
+    async def create_sandbox(body: SandboxCreate, owner: Owner) -> dict[str, Any]:
         lim = Limits(**body.limits.model_dump()) if body.limits else Limits()
-        row = await call(daemon.create_sandbox, body.image, name=body.name, limits=lim)
+        row = await call(daemon.create_sandbox, body.image, name=body.name, limits=lim, owner=owner or "")
         return await call(daemon.sandbox_info, row.id)
 
     @app.get("/v1/sandboxes")
-    async def list_sandboxes() -> dict[str, Any]:
-        rows = await call(daemon.store.list_sandboxes)
+    async def list_sandboxes(owner: Owner) -> dict[str, Any]:
+        rows = await call(daemon.store.list_sandboxes, owner)
         return {"sandboxes": [await call(daemon.sandbox_info, r.id) for r in rows]}
 
     @app.get("/v1/sandboxes/{sid}")
-    async def get_sandbox(sid: str) -> dict[str, Any]:
-        return await call(daemon.sandbox_info, sid)
+    async def get_sandbox(sid: Id, owner: Owner) -> dict[str, Any]:
+        return await call(daemon.sandbox_info, sid, owner)
 
     @app.delete("/v1/sandboxes/{sid}")
-    async def delete_sandbox(sid: str) -> dict[str, Any]:
-        await daemon.destroy(sid)
+    async def delete_sandbox(sid: Id, owner: Owner) -> dict[str, Any]:
+        await daemon.destroy(sid, owner)
         return {"removed": sid}
 
     @app.post("/v1/sandboxes/{sid}/exec")
-    async def exec_(sid: str, body: ExecIn) -> dict[str, Any]:
-        return await daemon.exec(sid, body.cmd, timeout=body.timeout, env=body.env, cwd=body.cwd, stdin=body.stdin)
+    async def exec_(sid: Id, body: ExecIn, owner: Owner) -> dict[str, Any]:
+        return await daemon.exec(sid, body.cmd, timeout=body.timeout, env=body.env, cwd=body.cwd, stdin=body.stdin,
+                                 owner=owner)
 
     @app.post("/v1/sandboxes/{sid}/turns/end")
-    async def end_turn(sid: str) -> dict[str, Any]:
-        return await daemon.end_turn(sid)
+    async def end_turn(sid: Id, owner: Owner) -> dict[str, Any]:
+        return await daemon.end_turn(sid, owner)
 
     # --- checkpoints -----------------------------------------------------------------
     @app.get("/v1/sandboxes/{sid}/checkpoints")
-    async def list_checkpoints(sid: str, all: bool = False) -> dict[str, Any]:
-        return {"checkpoints": await call(daemon.list_checkpoints, sid, all_states=all)}
+    async def list_checkpoints(sid: Id, owner: Owner, all: bool = False) -> dict[str, Any]:
+        return {"checkpoints": await call(daemon.list_checkpoints, sid, owner, all_states=all)}
 
     @app.post("/v1/sandboxes/{sid}/checkpoints", status_code=201)
-    async def create_checkpoint(sid: str) -> dict[str, Any]:
-        return await daemon.checkpoint_now(sid)
+    async def create_checkpoint(sid: Id, owner: Owner) -> dict[str, Any]:
+        return await daemon.checkpoint_now(sid, owner)
 
     @app.get("/v1/checkpoints/{cid}")
-    async def get_checkpoint(cid: str) -> dict[str, Any]:
-        return await call(daemon.checkpoint_info, cid)
+    async def get_checkpoint(cid: Id, owner: Owner) -> dict[str, Any]:
+        return await call(daemon.checkpoint_info, cid, owner)
 
     @app.delete("/v1/checkpoints/{cid}")
-    async def delete_checkpoint(cid: str) -> dict[str, Any]:
-        await call(daemon.delete_checkpoint, cid)
+    async def delete_checkpoint(cid: Id, owner: Owner) -> dict[str, Any]:
+        await call(daemon.delete_checkpoint, cid, owner)
         return {"removed": cid}
 
     @app.get("/v1/checkpoints/{a}/diff/{b}")
-    async def diff(a: str, b: str) -> dict[str, Any]:
-        return await call(daemon.diff, a, b)
+    async def diff(a: Id, b: Id, owner: Owner) -> dict[str, Any]:
+        return await call(daemon.diff, a, b, owner)
 
     @app.post("/v1/sandboxes/{sid}/rollback")
-    async def rollback(sid: str, body: RollbackIn) -> dict[str, Any]:
-        return await daemon.rollback(sid, body.checkpoint)
+    async def rollback(sid: Id, body: RollbackIn, owner: Owner) -> dict[str, Any]:
+        return await daemon.rollback(sid, body.checkpoint, owner=owner)
 
     @app.post("/v1/checkpoints/{cid}/fork", status_code=201)
-    async def fork(cid: str, body: ForkIn) -> dict[str, Any]:
-        return await daemon.fork(cid, body.count)
+    async def fork(cid: Id, body: ForkIn, owner: Owner) -> dict[str, Any]:
+        return await daemon.fork(cid, body.count, owner)
 
     # --- events, health, metrics ----------------------------------------------------------
+    def owned_events(since: int, sandbox: str | None, owner: str | None) -> tuple[list[Any], int]:
+        """Events after `since` the owner may see (its sandboxes' only), and
+        the last seq read (to resume after events it may not see)."""
+        evs = daemon.store.events_since(since, sandbox)
+        last = evs[-1].seq if evs else since
+        if owner is not None:
+            mine = {r.id for r in daemon.store.list_sandboxes(owner)}
+            evs = [e for e in evs if e.sandbox_id in mine]
+        return evs, last
+
     @app.get("/v1/events")
-    async def events(since: int = Query(0, ge=0), sandbox: str | None = None,
+    async def events(owner: Owner, since: int = Query(0, ge=0, le=MAX_SEQ),
+                     sandbox: Annotated[str | None, Query(pattern=ID_PATTERN, max_length=128)] = None,
                      follow: bool = True) -> Response:
         if not follow:
-            evs = await call(daemon.store.events_since, since, sandbox)
+            evs, _ = await call(owned_events, since, sandbox, owner)
             return JSONResponse({"events": [e.to_dict() for e in evs]})
 
         async def stream() -> Any:
             last = since
             while True:
-                evs = await call(daemon.store.events_since, last, sandbox)
+                prev = last
+                evs, last = await call(owned_events, prev, sandbox, owner)
                 for e in evs:
-                    last = e.seq
                     yield f"id: {e.seq}\nevent: {e.kind}\ndata: {json.dumps(e.to_dict(), default=str)}\n\n"
-                if not evs:
+                if last == prev:
                     yield ": keep-alive\n\n"
                     await daemon.wait_event(15.0)
 
         return StreamingResponse(stream(), media_type="text/event-stream")
+
+    from .api_effects import make_router as effects_router
+    app.include_router(effects_router(daemon))  # effects ledger and budgets
 
     @app.get("/v1/health")
     async def health() -> dict[str, Any]:

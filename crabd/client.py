@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator, Iterator, Sequence
 import httpx
 
 from . import errors as E
+from .effects import BudgetExceeded
 
 __all__ = ["Client", "AsyncClient", "DEFAULT_SOCKET", "default_socket"]
 
@@ -29,6 +30,7 @@ _BY_CODE: dict[str, type[E.CrabdError]] = {
     "not_found": E.NotFound, "already_exists": E.AlreadyExists, "failed_precondition": E.FailedPrecondition,
     "sandbox_not_running": E.SandboxNotRunning, "invalid_argument": E.InvalidArgument,
     "exec_error": E.ExecError, "command_not_found": E.CommandNotFound,
+    "budget_exceeded": BudgetExceeded,
 }
 
 
@@ -59,6 +61,21 @@ def _body(cmd: Sequence[str] | str, timeout: float | None, env: dict[str, str] |
         if v is not None:
             b[k] = v
     return b
+
+
+def _intent(op: str, key: str | None, args: Any, postcondition: str | None, volatile: Sequence[str],
+            force: bool) -> dict[str, Any]:
+    return {"op": op, "key": key, "args": args, "postcondition": postcondition, "volatile": list(volatile),
+            "force": force}
+
+
+def _effects_q(state: Sequence[str] | None, op: str | None, lineage: bool) -> dict[str, Any]:
+    q: dict[str, Any] = {"lineage": lineage}
+    if state:
+        q["state"] = list(state)
+    if op:
+        q["op"] = op
+    return q
 
 
 class Client:
@@ -127,6 +144,51 @@ class Client:
 
     def fork(self, cid: str, count: int = 1) -> dict[str, Any]:
         return self._req("POST", f"/v1/checkpoints/{cid}/fork", json={"count": count})
+
+    # effects ledger and budgets (crabd/effects.py)
+    def effect_intent(self, sid: str, op: str, *, key: str | None = None, args: Any = None,
+                      postcondition: str | None = None, volatile: Sequence[str] = (),
+                      force: bool = False) -> dict[str, Any]:
+        """Before an external call: {"decision": execute|replay|ask|reconcile, ...}."""
+        return self._req("POST", f"/v1/sandboxes/{sid}/effects/intent",
+                         json=_intent(op, key, args, postcondition, volatile, force))
+
+    def effect_commit(self, eid: str, receipt: Any = None, result_digest: str | None = None) -> dict[str, Any]:
+        return self._req("POST", f"/v1/effects/{eid}/commit", json={"receipt": receipt, "result_digest": result_digest})
+
+    def effect_fail(self, eid: str, error: str | None = None) -> dict[str, Any]:
+        return self._req("POST", f"/v1/effects/{eid}/fail", json={"error": error})
+
+    def effect_unknown(self, eid: str, error: str | None = None) -> dict[str, Any]:
+        return self._req("POST", f"/v1/effects/{eid}/unknown", json={"error": error})
+
+    def effect_reconcile(self, eid: str, outcome: str, receipt: Any = None, result_digest: str | None = None,
+                         error: str | None = None) -> dict[str, Any]:
+        return self._req("POST", f"/v1/effects/{eid}/reconcile",
+                         json={"outcome": outcome, "receipt": receipt, "result_digest": result_digest, "error": error})
+
+    def effect(self, eid: str) -> dict[str, Any]:
+        return self._req("GET", f"/v1/effects/{eid}")
+
+    def effects(self, sid: str, state: Sequence[str] | None = None, op: str | None = None,
+                lineage: bool = False) -> list[dict[str, Any]]:
+        return self._req("GET", f"/v1/sandboxes/{sid}/effects", params=_effects_q(state, op, lineage))["effects"]
+
+    def effect_policies(self, sid: str) -> dict[str, str]:
+        return self._req("GET", f"/v1/sandboxes/{sid}/effects/policies")["policies"]
+
+    def set_effect_policy(self, sid: str, op: str, policy: str) -> dict[str, Any]:
+        return self._req("PUT", f"/v1/sandboxes/{sid}/effects/policies/{op}", json={"policy": policy})
+
+    def budget(self, sid: str) -> dict[str, Any]:
+        return self._req("GET", f"/v1/sandboxes/{sid}/budget")
+
+    def set_budget(self, sid: str, **limits: float | None) -> dict[str, Any]:
+        """Limits turns, wall_s, cost, retries (None: no limit); others unchanged."""
+        return self._req("PUT", f"/v1/sandboxes/{sid}/budget", json=limits)
+
+    def charge(self, sid: str, cost: float) -> dict[str, Any]:
+        return self._req("POST", f"/v1/sandboxes/{sid}/budget/charge", json={"cost": cost})
 
     # events, health
     def events(self, since: int = 0, sandbox: str | None = None) -> list[dict[str, Any]]:
@@ -213,6 +275,51 @@ class AsyncClient:
 
     async def fork(self, cid: str, count: int = 1) -> dict[str, Any]:
         return await self._req("POST", f"/v1/checkpoints/{cid}/fork", json={"count": count})
+
+    async def effect_intent(self, sid: str, op: str, *, key: str | None = None, args: Any = None,
+                            postcondition: str | None = None, volatile: Sequence[str] = (),
+                            force: bool = False) -> dict[str, Any]:
+        return await self._req("POST", f"/v1/sandboxes/{sid}/effects/intent",
+                               json=_intent(op, key, args, postcondition, volatile, force))
+
+    async def effect_commit(self, eid: str, receipt: Any = None, result_digest: str | None = None) -> dict[str, Any]:
+        return await self._req("POST", f"/v1/effects/{eid}/commit",
+                               json={"receipt": receipt, "result_digest": result_digest})
+
+    async def effect_fail(self, eid: str, error: str | None = None) -> dict[str, Any]:
+        return await self._req("POST", f"/v1/effects/{eid}/fail", json={"error": error})
+
+    async def effect_unknown(self, eid: str, error: str | None = None) -> dict[str, Any]:
+        return await self._req("POST", f"/v1/effects/{eid}/unknown", json={"error": error})
+
+    async def effect_reconcile(self, eid: str, outcome: str, receipt: Any = None, result_digest: str | None = None,
+                               error: str | None = None) -> dict[str, Any]:
+        return await self._req("POST", f"/v1/effects/{eid}/reconcile",
+                               json={"outcome": outcome, "receipt": receipt, "result_digest": result_digest,
+                                     "error": error})
+
+    async def effect(self, eid: str) -> dict[str, Any]:
+        return await self._req("GET", f"/v1/effects/{eid}")
+
+    async def effects(self, sid: str, state: Sequence[str] | None = None, op: str | None = None,
+                      lineage: bool = False) -> list[dict[str, Any]]:
+        return (await self._req("GET", f"/v1/sandboxes/{sid}/effects",
+                                params=_effects_q(state, op, lineage)))["effects"]
+
+    async def effect_policies(self, sid: str) -> dict[str, str]:
+        return (await self._req("GET", f"/v1/sandboxes/{sid}/effects/policies"))["policies"]
+
+    async def set_effect_policy(self, sid: str, op: str, policy: str) -> dict[str, Any]:
+        return await self._req("PUT", f"/v1/sandboxes/{sid}/effects/policies/{op}", json={"policy": policy})
+
+    async def budget(self, sid: str) -> dict[str, Any]:
+        return await self._req("GET", f"/v1/sandboxes/{sid}/budget")
+
+    async def set_budget(self, sid: str, **limits: float | None) -> dict[str, Any]:
+        return await self._req("PUT", f"/v1/sandboxes/{sid}/budget", json=limits)
+
+    async def charge(self, sid: str, cost: float) -> dict[str, Any]:
+        return await self._req("POST", f"/v1/sandboxes/{sid}/budget/charge", json={"cost": cost})
 
     async def events(self, since: int = 0, sandbox: str | None = None) -> list[dict[str, Any]]:
         params: dict[str, Any] = {"since": since, "follow": False}

@@ -22,9 +22,11 @@ to the same state.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import os
 import secrets
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -35,6 +37,7 @@ from typing import Any, Sequence
 
 import deltafs
 from deltafs import mount_all, unmount
+from deltafs.snapshotter import chaos_point  # CRABD_CHAOS: bench/chaos.py's kill points
 
 from . import config
 from .errors import CrabdError, FailedPrecondition, InvalidArgument, NotFound
@@ -60,6 +63,7 @@ class DaemonOptions:
     standby_policy: Any = None    # a deltacr.StandbyPolicy; default: one per sandbox, 2 GiB host-wide
     keep_last: int = 50           # retention: newest N checkpoints per sandbox ...
     keep_every: int = 10          # ... plus every Mth (0 = none)
+    capture: str = "auto"         # crabd.capture mode: auto | fs-only | full
 
 
 @dataclass
@@ -88,6 +92,8 @@ class Daemon:
         os.chmod(self.state_dir, 0o700)
         self.options = options or DaemonOptions()
         self.store = Store(self.state_dir)
+        from .effects import Ledger
+        self.ledger = Ledger(self.store)  # effects ledger and budgets (crabd/effects.py)
         from deltacr import ImageStore
         from .runtime.process import CheckpointableRunner
         # The init's output on a pipe (not a host file): CRIU can dump that.
@@ -109,6 +115,7 @@ class Daemon:
         self.standbys: dict[str, _StandbyEntry] = {}
         self._standby_locks: dict[str, threading.Lock] = {}
         self._image_locks: dict[str, threading.Lock] = {}
+        self._image_trees: dict[str, Any] = {}  # capture mode full: image snapshot -> its tree
         self._maintenance_queued = False
         self._guard = threading.Lock()
         self._event_waiters: set[asyncio.Event] = set()
@@ -121,7 +128,11 @@ class Daemon:
         deadline = time.monotonic() + 15
         while True:
             try:
-                return deltafs.open(str(self.state_dir / "fs"), driver=self.options.snapshot_driver)
+                fs = deltafs.open(str(self.state_dir / "fs"), driver=self.options.snapshot_driver)
+                # Test knob (bench/chaos.py): shallow overlay chains, so compaction runs often.
+                if fs.driver == "overlay" and os.environ.get("CRABD_OVERLAY_MAX_DEPTH"):
+                    fs.max_depth = max(2, int(os.environ["CRABD_OVERLAY_MAX_DEPTH"]))
+                return fs
             except deltafs.FailedPrecondition as e:
                 if "in use" not in str(e) or time.monotonic() > deadline:
                     raise FailedPrecondition(str(e), fix="stop the other crabd using this --state-dir") from e
@@ -137,7 +148,14 @@ class Daemon:
     async def start(self) -> None:
         """Reload the store, settle what a crash left half-done, re-adopt sandboxes."""
         self._loop = asyncio.get_running_loop()
+        # Every exec holds a worker thread for its command's whole run; with
+        # asyncio's default pool (cores + 4 threads) 16 sandboxes' execs and
+        # captures would queue for threads, which shows up as stall.
+        from concurrent.futures import ThreadPoolExecutor
+        self._loop.set_default_executor(ThreadPoolExecutor(max_workers=256, thread_name_prefix="crabd"))
         await asyncio.to_thread(self._recover_pending)
+        for eid in await asyncio.to_thread(self.ledger.mark_in_flight_unknown):
+            self._event("effect.unknown", None, effect=eid, reason="crabd restarted while it was in flight")
         for row in self.store.list_sandboxes():
             self.turns[row.id] = Turns()
             try:
@@ -146,6 +164,12 @@ class Daemon:
                 self._event("sandbox.lost", row.id, reason="its runtime state is gone")
                 self.store.update_sandbox(row.id, state="dead")
                 continue
+            if sb.status == "paused":
+                # Frozen by a checkpoint whose daemon was killed mid-commit:
+                # crabd never leaves a sandbox frozen on purpose.
+                await asyncio.to_thread(self.runtime.thaw, row.id)
+                sb = await asyncio.to_thread(self.runtime.get, row.id)
+                self._event("sandbox.thawed", row.id, reason="found frozen at daemon start")
             if sb.status == "running":
                 await asyncio.to_thread(self._watch, row.id)
                 self.store.update_sandbox(row.id, state="running")
@@ -155,6 +179,7 @@ class Daemon:
                 self._event("sandbox.died", row.id, reason=f"found {sb.status} at daemon start")
                 if self.options.auto_rollback:
                     await self._auto_recover(row.id)
+        self._resize_unsized()
         self.metrics.sandboxes.set(len(self.turns))
 
     async def close(self) -> None:
@@ -178,10 +203,41 @@ class Daemon:
         self._discard_leftover_standbys()
         for ck in self.store.pending_checkpoints():
             self.store.fail_checkpoint(ck.id, "discarded: crabd stopped before this checkpoint was durable")
-            if ck.fs_snapshot and self.store.fs_snapshot_refs(ck.fs_snapshot) == 0:
-                self._remove_snapshot(ck.fs_snapshot)
+            self._drop_capture_leftovers(ck)
             self._event("checkpoint.discarded", ck.sandbox_id, checkpoint=ck.id)
+        self._reconcile_runtime()
         self.fs.gc()
+
+    def _drop_capture_leftovers(self, ck: CheckpointRow) -> None:
+        """Remove what a capture of `ck` that never committed made: its
+        snapshot (named after it; a pending row does not name it yet) and its
+        process image, unless a committed row shares them."""
+        for snap in dict.fromkeys([ck.fs_snapshot, ck.id]):
+            if snap and not snap.startswith("img-") and self.store.fs_snapshot_refs(snap) == 0:
+                self._remove_snapshot(snap)
+        try:
+            if self.store.proc_image_refs(ck.id) == 0 and self.images.exists(ck.id):
+                self.images.remove(ck.id)
+        except Exception as e:
+            log.info("keeping process image %s: %s", ck.id, e)
+
+    def _reconcile_runtime(self) -> None:
+        """After a crash: destroy runtime sandboxes the store does not know (a
+        create or fork killed before its row was written), then remove the
+        sandbox-root and import snapshots no sandbox row names."""
+        rows = self.store.list_sandboxes()
+        known = {r.id for r in rows}
+        for sb in self.runtime.list():
+            if sb.id not in known:
+                try:
+                    self.runtime.destroy(sb.id)
+                    self._event("sandbox.orphan_removed", sb.id, reason="not in the store (crabd stopped mid-create)")
+                except CrabdError as e:
+                    log.warning("removing orphan sandbox %s: %s", sb.id, e)
+        used = {r.fs_key for r in rows}
+        for info in list(self.fs.walk()):
+            if info.name.startswith(("root-", "import-")) and info.name not in used:
+                self._remove_snapshot(info.name)
 
     # --- events -------------------------------------------------------------------------
     def _event(self, kind: str, sandbox_id: str | None = None, **data: Any) -> None:
@@ -256,6 +312,7 @@ class Daemon:
         try:
             sb = self.runtime.create(image, name=name, limits=limits, root=mounts, start=False)
             if base_checkpoint is not None:
+                chaos_point("fork")
                 self._start_from(sb.id, base_checkpoint)
             else:
                 self.runtime.start(sb.id)
@@ -354,6 +411,7 @@ class Daemon:
             if s and not s.startswith("img-") and self.store.fs_snapshot_refs(s) == 0:
                 self._remove_snapshot(s)
         self.turns.pop(row.id, None)
+        shutil.rmtree(self.state_dir / "full" / row.id, ignore_errors=True)  # capture mode full's copies
         self.metrics.sandboxes.set(len(self.turns))
         self._event("sandbox.destroyed", row.id)
 
@@ -385,6 +443,9 @@ class Daemon:
                 self.scheduler.policy.observe_gap(row.id, t0 - t.last_end)
             row = await asyncio.to_thread(self.store.get_sandbox, row.id)
             turn = row.turn + 1
+            # Budget: refused when used up, else this turn is counted now.
+            await asyncio.to_thread(self.ledger.begin_turn, row.lineage, row.id)
+            t_exec = time.monotonic()
             self.inspector.begin_turn(row.id)
             error: CrabdError | None = None
             res: Any = None
@@ -398,6 +459,7 @@ class Daemon:
             effects = self.inspector.end_turn(row.id)
             t.last_end = time.monotonic()
             ck = await asyncio.to_thread(self._open_checkpoint, row, turn, effects)
+            await asyncio.to_thread(self._ledger_after_turn, row, turn, ck, effects, time.monotonic() - t_exec)
             t.capture = asyncio.ensure_future(self._run_capture(row.id, ck))
             self.metrics.stall.observe(stall)
             self.metrics.turns.labels(plan=ck.plan).inc()
@@ -450,11 +512,13 @@ class Daemon:
 
     def _open_checkpoint(self, row: SandboxRow, turn: int, effects: Any, manual: bool = False) -> CheckpointRow:
         import ebpf
+        from .capture import apply_mode
         plan = ebpf.classify(effects)
         kind = plan.kind.value
         reasons = list(plan.reasons)
         if manual and kind == "SKIP":
             kind, reasons = "FS", ["manual checkpoint"] + reasons
+        kind, reasons = apply_mode(kind, reasons, self.options.capture)
         seq = self.store.allocate_seq(row.id)
         ck = CheckpointRow(id=f"{row.id}-{seq}", sandbox_id=row.id, seq=seq, parent=row.head, branch=row.branch,
                            turn=turn, plan=kind, reasons=reasons, effects=effects.model_dump(mode="json"))
@@ -464,36 +528,45 @@ class Daemon:
         return ck
 
     async def _run_capture(self, sid: str, ck: CheckpointRow) -> None:
+        """The turn's capture job; done (and the next turn free to run) once the
+        checkpoint is committed and durable. Counting its bytes (a walk of the
+        snapshot's tree) is queued after that as idle work (`_size_checkpoint`)."""
         from .scheduler import JobCancelled
         # Size estimate for the I/O budget: a SKIP writes nothing.
         est = 0 if ck.plan == "SKIP" else 1 << 20
         job = self.scheduler.policy.checkpoint_job(sid, est, time.monotonic())
 
-        async def run() -> None:
+        async def run() -> Any:
             # (the scheduler records the queue phase itself)
-            await asyncio.to_thread(self._capture, ck)
+            return await asyncio.to_thread(self._capture, ck)
 
         try:
-            await self.scheduler.submit(job, run)
-            if ck.plan != "SKIP":
-                self._schedule_standby_refresh(sid)
-                self._schedule_maintenance()
+            extra = await self.scheduler.submit(job, run)
         except (asyncio.CancelledError, JobCancelled):
             await asyncio.to_thread(self.store.fail_checkpoint, ck.id, "cancelled by a rollback")
         except Exception as e:  # recorded; never take the daemon down
             log.exception("checkpoint %s failed", ck.id)
             await asyncio.to_thread(self.store.fail_checkpoint, ck.id, str(e))
             self._event("checkpoint.failed", sid, checkpoint=ck.id, error=str(e))
+        else:
+            if extra is not None:
+                self._schedule_sizing(sid, ck.id, extra)
+            if ck.plan != "SKIP":
+                self._schedule_standby_refresh(sid)
+                self._schedule_maintenance()
 
-    def _capture(self, ck: CheckpointRow) -> None:
-        """Capture one checkpoint (worker thread): the scheduler admitted it."""
+    def _capture(self, ck: CheckpointRow) -> int | None:
+        """Capture one checkpoint (worker thread): the scheduler admitted it.
+        Returns once the checkpoint is committed and durable: None if its
+        `bytes` are final, else the bytes to add to its snapshot's usage when
+        `_size_checkpoint` measures it later."""
         t_start = time.monotonic()
         parent = self.store.get_checkpoint(ck.parent) if ck.parent else None
         if ck.plan == "SKIP" and parent is not None:
             self.store.commit_checkpoint(ck.id, fs_snapshot=parent.fs_snapshot, proc_image=parent.proc_image,
-                                         bytes=0, durations={"total": time.monotonic() - t_start})
+                                         bytes=0, durations={"total": time.monotonic() - t_start, "size": 0.0})
             self._event("checkpoint.committed", ck.sandbox_id, checkpoint=ck.id, plan=ck.plan, bytes=0)
-            return
+            return None
         row = self.store.get_sandbox(ck.sandbox_id)
         d: dict[str, float] = {}
         t = time.monotonic()
@@ -506,16 +579,70 @@ class Daemon:
         t = time.monotonic()
         self.fs.sync()
         d["sync"] = time.monotonic() - t
-        size = self.fs.usage(name).size
         d["total"] = time.monotonic() - t_start
         # An FS turn did not run the sandbox's older processes (the classifier
         # would have said FS_PROC), so their memory is still the parent's
         # image: this checkpoint = the parent's processes on the new files.
-        inherited = parent.proc_image if parent is not None else None
-        self.store.commit_checkpoint(ck.id, fs_snapshot=name, proc_image=inherited, bytes=size, durations=d)
-        self.metrics.observe_checkpoint({k: v for k, v in d.items() if k in PHASES}, size)
-        self._event("checkpoint.committed", ck.sandbox_id, checkpoint=ck.id, plan=ck.plan, bytes=size,
+        # (fs-only mode downgraded an FS_PROC turn: its processes did run.)
+        from .capture import FS_ONLY_REASON
+        inherited = parent.proc_image if parent is not None and FS_ONLY_REASON not in ck.reasons else None
+        self.store.commit_checkpoint(ck.id, fs_snapshot=name, proc_image=inherited, durations=d)
+        self.metrics.observe_checkpoint({k: v for k, v in d.items() if k in PHASES})
+        self._event("checkpoint.committed", ck.sandbox_id, checkpoint=ck.id, plan=ck.plan, bytes=None,
                     pause_ms=round(d["pause"] * 1000, 3))
+        return 0
+
+    def _schedule_sizing(self, sid: str, cid: str, extra: int) -> None:
+        """Queue the byte count of committed checkpoint `cid` as idle work (event loop)."""
+        from .scheduler import JobCancelled, JobKind
+        job = self.scheduler.policy.background_job(JobKind.SIZING, 0, time.monotonic(), sandbox_id=sid)
+
+        async def run() -> None:
+            await asyncio.to_thread(self._size_checkpoint, cid, extra)
+
+        def done(f: asyncio.Future[Any]) -> None:
+            if f.cancelled():
+                return
+            e = f.exception()
+            if e is not None and not isinstance(e, JobCancelled):
+                log.warning("sizing checkpoint %s failed: %s", cid, e)
+
+        self.scheduler.submit(job, run).add_done_callback(done)
+
+    def _size_checkpoint(self, cid: str, extra: int) -> None:
+        """Fill in a committed checkpoint's `bytes`: what its snapshot adds over
+        its parent, plus `extra` (its process image's raw bytes). Worker thread."""
+        t = time.monotonic()
+        try:
+            ck = self.store.get_checkpoint(cid)
+            if ck.state != "committed" or not ck.fs_snapshot:
+                return
+            size = self.fs.usage(ck.fs_snapshot).size + extra
+            ck = self.store.set_checkpoint_bytes(cid, size, {"size": time.monotonic() - t})
+        except (NotFound, deltafs.NotFound):
+            return  # retired or destroyed meanwhile: nothing to size
+        except OSError:
+            try:
+                self.store.get_checkpoint(cid)
+            except NotFound:
+                return  # its snapshot went with it while we walked it
+            raise
+        self.metrics.observe_checkpoint({}, size)
+        self._event("checkpoint.sized", ck.sandbox_id, checkpoint=cid, plan=ck.plan, bytes=size,
+                    size_ms=round((time.monotonic() - t) * 1000, 3))
+
+    def _resize_unsized(self) -> None:
+        """Checkpoints committed before a restart whose sizing never ran: queue it (event loop)."""
+        for ck in self.store.iter_all_checkpoints():
+            if ck.state != "committed" or ck.seq == 0 or ck.plan == "SKIP" or "size" in (ck.durations or {}):
+                continue
+            extra = 0
+            if ck.proc_image == ck.id:
+                try:
+                    extra = sum(f.size for f in self.images.manifest(ck.proc_image).files)
+                except Exception:
+                    extra = 0
+            self._schedule_sizing(ck.sandbox_id, ck.id, extra)
 
     def _frozen_fs_checkpoint(self, sid: str, key: str, name: str, d: dict[str, float]) -> None:
         """Commit `key` as snapshot `name` with the sandbox frozen; records the
@@ -532,6 +659,7 @@ class Daemon:
             frozen = False
         d["freeze"] = time.monotonic() - t_freeze
         try:
+            chaos_point("fs_commit")
             t = time.monotonic()
             self.fs.checkpoint(key, name=name)
             d["fs_commit"] = time.monotonic() - t
@@ -542,7 +670,7 @@ class Daemon:
                 d["thaw"] = time.monotonic() - t
             d["pause"] = time.monotonic() - t_freeze
 
-    def _capture_proc(self, ck: CheckpointRow, row: SandboxRow, d: dict[str, float], t_start: float) -> None:
+    def _capture_proc(self, ck: CheckpointRow, row: SandboxRow, d: dict[str, float], t_start: float) -> int | None:
         """FS and processes at one instant: frozen from the FS commit to the
         end of the CRIU dump. A refused dump still leaves a file-system
         checkpoint (committed, without a process image, with the reason)."""
@@ -550,9 +678,13 @@ class Daemon:
         from .runtime.process import checkpoint_processes
         proc_image: str | None = None
         error: str | None = None
+        def fs_commit() -> Any:
+            out = self.fs.checkpoint(row.fs_key, name=ck.id)
+            chaos_point("criu_dump")  # frozen, files committed, the dump next
+            return out
+
         try:
-            info = checkpoint_processes(self.runtime, ck.sandbox_id, self.images, ck.id,
-                                        fs_commit=lambda: self.fs.checkpoint(row.fs_key, name=ck.id))
+            info = checkpoint_processes(self.runtime, ck.sandbox_id, self.images, ck.id, fs_commit=fs_commit)
             proc_image = ck.id
             d.update(pause=info.pause_ms / 1000, fs_commit=info.fs_ms / 1000, proc_dump=info.dump_ms / 1000,
                      store=info.store_ms / 1000)
@@ -565,21 +697,65 @@ class Daemon:
                 # The dump was refused before the file system was committed
                 # (or the commit itself failed): take the FS checkpoint now.
                 self._frozen_fs_checkpoint(ck.sandbox_id, row.fs_key, ck.id, d)
+        from .capture import FULL_REASON
+        full = FULL_REASON in ck.reasons
+        if full:
+            # The baseline: a tar of every file that differs from the image.
+            t = time.monotonic()
+            tar_bytes = self._full_copy(ck, row)
+            d["full_copy"] = time.monotonic() - t
         t = time.monotonic()
         self.fs.sync()
         d["sync"] = time.monotonic() - t
-        size = self.fs.usage(ck.id).size + proc_bytes
         d["total"] = time.monotonic() - t_start
+        # full: its bytes are known now (the tar + the raw CRIU image); else the
+        # snapshot's usage is counted later, off the next turn's path.
+        size = tar_bytes + proc_bytes if full else None
+        if full:
+            d["size"] = 0.0
         reasons = list(ck.reasons)
         if error:
             reasons.append(f"process image not captured: {error}")
-        self.store.commit_checkpoint(ck.id, fs_snapshot=ck.id, proc_image=proc_image, bytes=size, durations=d,
+        self.store.commit_checkpoint(ck.id, fs_snapshot=ck.id, proc_image=proc_image, bytes=size or 0, durations=d,
                                      reasons=reasons)
-        self.metrics.observe_checkpoint({k: v for k, v in d.items() if k in PHASES}, size)
+        self.metrics.observe_checkpoint({k: v for k, v in d.items() if k in PHASES}, size or 0)
         if error:
             self._event("checkpoint.proc_failed", ck.sandbox_id, checkpoint=ck.id, error=error)
         self._event("checkpoint.committed", ck.sandbox_id, checkpoint=ck.id, plan=ck.plan, bytes=size,
                     proc=proc_image is not None, pause_ms=round(d.get("pause", 0) * 1000, 3))
+        if size is not None:
+            self._event("checkpoint.sized", ck.sandbox_id, checkpoint=ck.id, plan=ck.plan, bytes=size, size_ms=0.0)
+            return None
+        return proc_bytes
+
+    def _full_copy_path(self, sid: str, cid: str) -> Path:
+        return self.state_dir / "full" / sid / f"{cid}.tar"
+
+    def _full_copy(self, ck: CheckpointRow, row: SandboxRow) -> int:
+        """`full` capture mode: tar every entry of snapshot `ck.id` that differs
+        from the sandbox's image, read through a read-only view (never following
+        the sandbox's symlinks), under the state dir. Returns the tar's bytes."""
+        from .capture import write_full_copy
+        base = f"img-{row.image}"
+        old = self._image_trees.get(base)
+        if old is None:  # an image snapshot never changes: scan it once
+            old = self._image_trees[base] = self.fs.tree(base)
+        from deltafs.tree import diff_entries
+        changes = diff_entries(old, self.fs.tree(ck.id))
+        paths = [c.path for c in changes if c.kind != "deleted"]
+        deleted = [c.path for c in changes if c.kind == "deleted"]
+        key = f"fullview-{secrets.token_hex(6)}"
+        mounts = self.fs.view(key, parent=ck.id)
+        tmp = tempfile.mkdtemp(prefix="crabd-full-", dir=self.state_dir)
+        try:
+            mount_all(mounts, tmp)
+            try:
+                return write_full_copy(tmp, paths, deleted, self._full_copy_path(ck.sandbox_id, ck.id))
+            finally:
+                unmount(tmp)
+        finally:
+            os.rmdir(tmp)
+            self._remove_snapshot(key)
 
     # --- checkpoints -----------------------------------------------------------------------
     def list_checkpoints(self, ref: str, owner: str | None = None, all_states: bool = False) -> list[dict[str, Any]]:
@@ -615,6 +791,13 @@ class Daemon:
             return self.store.get_checkpoint(f"{sid}-{int(ref)}")
         c = self.store.get_checkpoint(str(ref))
         if c.sandbox_id != sid:
+            try:
+                other = self.store.get_sandbox(c.sandbox_id).owner
+            except NotFound:
+                other = None
+            if other != self.store.get_sandbox(sid).owner:
+                # Another owner's checkpoint: as unknown as it is to them (no id leaks).
+                raise NotFound(f"no checkpoint {str(ref)!r}", fix="GET /v1/sandboxes/{id}/checkpoints lists them")
             raise FailedPrecondition(f"checkpoint {c.id} belongs to sandbox {c.sandbox_id}, not {sid}",
                                      fix=f"fork it instead: POST /v1/checkpoints/{c.id}/fork")
         return c
@@ -700,10 +883,15 @@ class Daemon:
         t = time.monotonic()
         self.runtime.stop(sid)
         timing["stop"] = time.monotonic() - t
+        chaos_point("rollback")
         t = time.monotonic()
         self.runtime.unmount_root(sid)
         new_key = f"root-{secrets.token_hex(6)}"
         mounts = self.fs.prepare(new_key, parent=ck.fs_snapshot)
+        # The store names the new root before the runtime mounts it: a crash
+        # from here on leaves the old key unnamed (removed at restart), never
+        # a mounted root the store does not know.
+        self.store.update_sandbox(sid, fs_key=new_key)
         self.runtime.set_root(sid, mounts)
         self._remove_snapshot(row.fs_key)
         timing["fs"] = time.monotonic() - t
@@ -715,6 +903,7 @@ class Daemon:
     def _finish_rollback(self, sid: str, row: SandboxRow, ck: CheckpointRow, new_key: str, restored: str,
                          timing: dict[str, float], reason: str) -> dict[str, Any]:
         not_undone = self._effects_after(row.head, ck.id)
+        ledger = self._ledger_report(sid, row, ck)
         with self.store.transaction():
             self.store.update_sandbox(sid, fs_key=new_key, head=ck.id, branch=row.branch + 1, state="running")
         self._watch(sid)
@@ -722,8 +911,10 @@ class Daemon:
             self._loop.call_soon_threadsafe(self._schedule_standby_refresh, sid)
         self._event("sandbox.rolled_back", sid, checkpoint=ck.id, reason=reason, branch=row.branch + 1,
                     effects_not_undone=not_undone)
+        if ledger["committed_after"] or ledger["unknown"]:
+            self._event("effects.not_undone", sid, checkpoint=ck.id, **ledger)
         return {"sandbox": sid, "checkpoint": ck.id, "seq": ck.seq, "turn": ck.turn, "branch": row.branch + 1,
-                "restored": restored, "effects_not_undone": not_undone,
+                "restored": restored, "effects_not_undone": not_undone, "ledger": ledger,
                 "timing_ms": {k: round(v * 1000, 3) for k, v in timing.items()}}
 
     def _start_from(self, sid: str, ck: CheckpointRow) -> str:
@@ -762,6 +953,68 @@ class Daemon:
                             "unknown": bool(eff.get("external_unknown"))})
             cid = c.parent
         return list(reversed(out))
+
+    # --- effects ledger and budgets (crabd/effects.py) ---------------------------------------
+    def _ledger_after_turn(self, row: SandboxRow, turn: int, ck: CheckpointRow, effects: Any, wall_s: float) -> None:
+        """Charge the turn's wall time; record what the inspector saw leave
+        the sandbox as unmanaged effects of the turn (made from its parent)."""
+        try:
+            self.ledger.charge(row.lineage, wall_s=wall_s)
+            if effects.external or effects.external_unknown:
+                ids = self.ledger.record_unmanaged(row, turn=turn, checkpoint=ck.parent,
+                                                   reasons=list(effects.external_reasons),
+                                                   unknown=bool(effects.external_unknown))
+                self._event("effects.unmanaged", row.id, turn=turn, checkpoint=ck.id, effects=ids,
+                            reasons=list(effects.external_reasons))
+        except CrabdError as e:  # the turn happened; its bookkeeping must not fail it
+            log.warning("ledger bookkeeping of %s turn %d failed: %s", row.id, turn, e)
+            self._event("ledger.failed", row.id, turn=turn, error=str(e))
+
+    def _ledger_report(self, sid: str, row: SandboxRow, ck: CheckpointRow) -> dict[str, Any]:
+        """Rollback of `sid` from its head to `ck`: the ledger's effects it
+        does not undo. The stretch abandoned runs from the head back to `ck`,
+        or to the head's last common ancestor with `ck` when `ck` is on
+        another line."""
+        keep: set[str] = set()
+        cid: str | None = ck.id
+        while cid:
+            keep.add(cid)
+            try:
+                cid = self.store.get_checkpoint(cid).parent
+            except NotFound:
+                break
+        path: list[tuple[str | None, int]] = []
+        cid, branch = row.head, row.branch
+        while cid:
+            path.append((cid, branch))
+            if cid in keep:
+                break
+            try:
+                c = self.store.get_checkpoint(cid)
+            except NotFound:
+                break
+            cid, branch = c.parent, c.branch
+        return self.ledger.rollback_report(sid, row.lineage, path)
+
+    def effect_intent(self, ref: str, op: str, *, key: str | None, args: Any, postcondition: str | None = None,
+                      volatile: Sequence[str] = (), force: bool = False, owner: str | None = None) -> dict[str, Any]:
+        row = self._own(self.store.get_sandbox(ref), owner)
+        out = self.ledger.intent(row, op, key=key, args=args, postcondition=postcondition, volatile=volatile,
+                                 force=force)
+        if out["decision"] == "execute":
+            self._event("effect.intent", row.id, effect=out["effect"]["id"], op=op, key=key, retry=out["retry"])
+        else:
+            self._event(f"effect.{out['decision']}", row.id, effect=out["matched"], op=op, key=key,
+                        matched_by=out["matched_by"])
+        return out
+
+    def effect_finish(self, eid: str, state: str, *, receipt: Any = None, result_digest: str | None = None,
+                      error: str | None = None, reconciled: bool = False) -> dict[str, Any]:
+        e = self.ledger.finish(eid, state, receipt=receipt, result_digest=result_digest, error=error,
+                               reconciled=reconciled)
+        self._event(f"effect.{'reconciled' if reconciled else state}", e["sandbox"], effect=eid, op=e["op"],
+                    key=e["key"], state=e["state"])
+        return e
 
     async def fork(self, cid: str, count: int = 1, owner: str | None = None) -> dict[str, Any]:
         if not 1 <= count <= 64:
@@ -831,6 +1084,7 @@ class Daemon:
                        protected=self._protected(sid))
         for cid in gone:
             ck = self.store.drop_checkpoint(cid)
+            self._full_copy_path(sid, cid).unlink(missing_ok=True)
             if ck.fs_snapshot and not ck.fs_snapshot.startswith("img-") and \
                     self.store.fs_snapshot_refs(ck.fs_snapshot) == 0:
                 try:
@@ -1021,6 +1275,13 @@ def _change_dict(ch: Any) -> dict[str, Any]:
     d = dict(ch.__dict__) if hasattr(ch, "__dict__") else dict(ch._asdict())
     for k, v in list(d.items()):
         if isinstance(v, bytes):
-            d[k] = v.decode("utf-8", "backslashreplace")
+            # Sandbox names need not be UTF-8: the text form is for reading
+            # (ambiguous: b"\xff" and a literal backslash-x-f-f look alike),
+            # the exact bytes ride along in base64.
+            try:
+                d[k] = v.decode("utf-8")
+            except UnicodeDecodeError:
+                d[k] = v.decode("utf-8", "backslashreplace")
+                d[f"{k}_b64"] = base64.b64encode(v).decode("ascii")
     return d
 

@@ -331,6 +331,20 @@ class Store:
                              [*d.values(), cid])
         return row
 
+    def set_checkpoint_bytes(self, cid: str, nbytes: int, durations: dict[str, float] | None = None) -> CheckpointRow:
+        """Fill in the size of a committed checkpoint, measured after its commit
+        (idle work), and re-sign it: `bytes` is part of the digest."""
+        with self._tx():
+            row = self._get_checkpoint_unlocked(cid)
+            row.bytes = nbytes
+            if durations:
+                row.durations = {**row.durations, **durations}
+            if row.state == "committed":
+                row.digest = self.digest(row)
+            d = _encode({"bytes": row.bytes, "durations": row.durations, "digest": row.digest}, _CK_JSON)
+            self._db.execute("UPDATE checkpoints SET bytes=?, durations=?, digest=? WHERE id=?", [*d.values(), cid])
+        return row
+
     def fail_checkpoint(self, cid: str, error: str) -> None:
         with self._lock:
             self._db.execute("UPDATE checkpoints SET state='failed', error=? WHERE id=?", (error, cid))
@@ -405,6 +419,11 @@ class Store:
         fields = {k: getattr(row, k) for k in ("id", "sandbox_id", "seq", "parent", "branch", "turn", "plan",
                                                "fs_snapshot", "proc_image", "bytes", "schema_version", "created_at")}
         fields["effects"] = row.effects
+        canon = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str).encode()
+        return blake3.blake3(canon, key=self._key).hexdigest()
+
+    def sign(self, fields: dict[str, Any]) -> str:
+        """The keyed digest of any other signed row (effects, budgets: crabd/effects.py)."""
         canon = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str).encode()
         return blake3.blake3(canon, key=self._key).hexdigest()
 

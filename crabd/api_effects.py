@@ -1,0 +1,134 @@
+"""REST routes of the effects ledger and budgets (crabd/effects.py), mounted
+by crabd/api.py. Errors use the API's usual JSON shape: 404 unknown
+sandbox/effect, 409 a finished effect or a used-up budget
+(`budget_exceeded`), 422 malformed input.
+
+    POST /v1/sandboxes/{sid}/effects/intent      -> {decision, effect | receipt | match, ...}
+    POST /v1/effects/{eid}/commit|fail|unknown    -> the effect
+    POST /v1/effects/{eid}/reconcile              -> the effect ({"outcome": committed|failed})
+    GET  /v1/effects/{eid}                        -> the effect
+    GET  /v1/sandboxes/{sid}/effects              -> {effects: [...]} (?state=&op=&lineage=true)
+    GET  /v1/sandboxes/{sid}/effects/policies     -> {policies: {op: policy}}
+    PUT  /v1/sandboxes/{sid}/effects/policies/{op} {"policy": replay|allow|ask}
+    GET  /v1/sandboxes/{sid}/budget               -> {limits, used}
+    PUT  /v1/sandboxes/{sid}/budget               {"turns"?, "wall_s"?, "cost"?, "retries"?} (null: no limit)
+    POST /v1/sandboxes/{sid}/budget/charge        {"cost": units}
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Literal
+
+from fastapi import APIRouter, Query
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["make_router"]
+
+
+class IntentIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    op: str = Field(min_length=1, max_length=200, description="operation name, e.g. 'email.send'")
+    key: str | None = Field(None, min_length=1, max_length=500, description="idempotency key")
+    args: Any = Field(None, description="the call's arguments (JSON); fingerprinted, not stored")
+    postcondition: str | None = Field(None, max_length=4096, description="what should hold after it")
+    volatile: list[str] = Field(default_factory=list, max_length=100,
+                                description="more argument names to leave out of the fingerprint")
+    force: bool = Field(False, description="execute even when a match says replay/ask/reconcile")
+
+
+class FinishIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    receipt: Any = Field(None, description="downstream ids etc. (JSON), returned on replay")
+    result_digest: str | None = Field(None, max_length=200)
+    error: str | None = Field(None, max_length=4096)
+
+
+class ReconcileIn(FinishIn):
+    outcome: Literal["committed", "failed"]
+
+
+class PolicyIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    policy: Literal["replay", "allow", "ask"]
+
+
+class BudgetIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    turns: int | None = Field(None, ge=0)
+    wall_s: float | None = Field(None, ge=0)
+    cost: float | None = Field(None, ge=0)
+    retries: int | None = Field(None, ge=0)
+
+
+class ChargeIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    cost: float = Field(gt=0, le=1e12)
+
+
+def make_router(daemon: Any) -> APIRouter:
+    r = APIRouter(tags=["effects"])
+    ledger = daemon.ledger
+
+    def call(fn: Any, *a: Any, **kw: Any) -> Any:
+        return asyncio.to_thread(fn, *a, **kw)
+
+    def lineage(sid: str) -> str:
+        return daemon.store.get_sandbox(sid).lineage
+
+    @r.post("/v1/sandboxes/{sid}/effects/intent")
+    async def intent(sid: str, body: IntentIn) -> dict[str, Any]:
+        return await call(daemon.effect_intent, sid, body.op, key=body.key, args=body.args,
+                          postcondition=body.postcondition, volatile=body.volatile, force=body.force)
+
+    def finish(state: str) -> Any:
+        async def handler(eid: str, body: FinishIn) -> dict[str, Any]:
+            return await call(daemon.effect_finish, eid, state, receipt=body.receipt,
+                              result_digest=body.result_digest, error=body.error)
+        return handler
+
+    for state, verb in (("committed", "commit"), ("failed", "fail"), ("unknown", "unknown")):
+        r.add_api_route(f"/v1/effects/{{eid}}/{verb}", finish(state), methods=["POST"], name=f"effect_{verb}")
+
+    @r.post("/v1/effects/{eid}/reconcile")
+    async def reconcile(eid: str, body: ReconcileIn) -> dict[str, Any]:
+        return await call(daemon.effect_finish, eid, body.outcome, receipt=body.receipt,
+                          result_digest=body.result_digest, error=body.error, reconciled=True)
+
+    @r.get("/v1/effects/{eid}")
+    async def get_effect(eid: str) -> dict[str, Any]:
+        return await call(ledger.get, eid)
+
+    @r.get("/v1/sandboxes/{sid}/effects")
+    async def list_effects(sid: str, state: list[str] | None = Query(None), op: str | None = None,
+                           all_lineage: bool = Query(False, alias="lineage",
+                                                     description="every sandbox of the lineage")) -> dict[str, Any]:
+        sb = await call(daemon.store.get_sandbox, sid)
+        rows = await call(ledger.list, sb.lineage, sandbox_id=None if all_lineage else sb.id, states=state, op=op)
+        return {"lineage": sb.lineage, "effects": rows}
+
+    @r.get("/v1/sandboxes/{sid}/effects/policies")
+    async def policies(sid: str) -> dict[str, Any]:
+        lin = await call(lineage, sid)
+        return {"lineage": lin, "default": "replay", "policies": await call(ledger.policies, lin)}
+
+    @r.put("/v1/sandboxes/{sid}/effects/policies/{op}")
+    async def set_policy(sid: str, op: str, body: PolicyIn) -> dict[str, Any]:
+        lin = await call(lineage, sid)
+        await call(ledger.set_policy, lin, op, body.policy)
+        return {"lineage": lin, "op": op, "policy": body.policy}
+
+    @r.get("/v1/sandboxes/{sid}/budget")
+    async def budget(sid: str) -> dict[str, Any]:
+        return await call(ledger.budget, await call(lineage, sid))
+
+    @r.put("/v1/sandboxes/{sid}/budget")
+    async def set_budget(sid: str, body: BudgetIn) -> dict[str, Any]:
+        lin = await call(lineage, sid)
+        return await call(ledger.set_budget, lin, body.model_dump(exclude_unset=True))
+
+    @r.post("/v1/sandboxes/{sid}/budget/charge")
+    async def charge(sid: str, body: ChargeIn) -> dict[str, Any]:
+        return await call(ledger.charge, await call(lineage, sid), cost=body.cost)
+
+    return r

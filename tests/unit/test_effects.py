@@ -1,0 +1,212 @@
+"""Effects ledger: fingerprints, matching rules, the ledger and budgets on a
+real SQLite store (no root)."""
+
+from __future__ import annotations
+
+import random
+import uuid
+
+import pytest
+
+from crabd.effects import (BudgetExceeded, Ledger, Prior, budget_problem, canonical_args, decide, effects_after,
+                           fingerprint)
+from crabd.errors import FailedPrecondition, InvalidArgument
+from crabd.store import IntegrityError, SandboxRow, Store
+
+
+# --- fingerprints ------------------------------------------------------------------------
+def test_volatile_keys_dropped_at_any_depth_and_any_spelling():
+    a = {"to": "bob@example.com", "body": "hi", "request_id": str(uuid.UUID(int=1)),
+         "meta": {"traceId": "t1", "X-Request-Id": "r1", "timestamp": 1, "msg_uuid": "u1"}}
+    b = {"to": "bob@example.com", "body": "hi", "requestId": str(uuid.UUID(int=2)),
+         "meta": {"trace_id": "t2", "timestamp": 2, "msg_uuid": "u2"}}
+    assert fingerprint(a) == fingerprint(b)
+    assert canonical_args(a) == '{"body":"hi","meta":{},"to":"bob@example.com"}'
+
+
+def test_meaningful_fields_are_kept_even_when_they_hold_uuids():
+    acct_a, acct_b = str(uuid.UUID(int=10)), str(uuid.UUID(int=11))
+    assert fingerprint({"account": acct_a, "amount": 5}) != fingerprint({"account": acct_b, "amount": 5})
+    assert fingerprint({"user_id": "u1"}) != fingerprint({"user_id": "u2"})  # *_id is not volatile
+
+
+def test_caller_named_volatile_keys():
+    assert fingerprint({"x": 1, "attempt": 1}) != fingerprint({"x": 1, "attempt": 2})
+    assert fingerprint({"x": 1, "attempt": 1}, ["attempt"]) == fingerprint({"x": 1, "attempt": 2}, ["Attempt"])
+
+
+def test_canonical_form_rules():
+    rng = random.Random(7)
+    items = [("a", 1), ("b", "two"), ("c", [3, 4]), ("d", {"e": None})]
+    for _ in range(5):
+        rng.shuffle(items)
+        assert fingerprint(dict(items)) == fingerprint({"a": 1, "b": "two", "c": [3, 4], "d": {}})
+    assert fingerprint({"n": 1.0}) == fingerprint({"n": 1})
+    assert fingerprint({"s": "  hello \n  world "}) == fingerprint({"s": "hello world"})
+    assert fingerprint({"s": "e\u0301"}) == fingerprint({"s": "\u00e9"})       # NFC
+    assert fingerprint({"opt": None, "x": 1}) == fingerprint({"x": 1})        # null = omitted
+    assert fingerprint({"l": [1, 2]}) != fingerprint({"l": [2, 1]})           # order kept
+    assert fingerprint({"s": "Bob"}) != fingerprint({"s": "bob"})             # case kept
+    assert fingerprint({"b": True}) != fingerprint({"b": 1})
+    assert fingerprint({"s": "Hi Bob"}) != fingerprint({"s": "Hello Bob"})    # no paraphrase matching
+
+
+def test_bad_arguments_refused():
+    with pytest.raises(InvalidArgument):
+        fingerprint({"x": float("nan")})
+    with pytest.raises(InvalidArgument):
+        fingerprint({"x": object()})
+    with pytest.raises(InvalidArgument):
+        fingerprint({"k": 1, " k": 2})
+
+
+# --- matching -----------------------------------------------------------------------------
+def P(i: str, key: str | None, fp: str, state: str) -> Prior:
+    return Prior(i, key, fp, state)
+
+
+def test_decide_rules():
+    assert decide([], "k", "f").action == "execute"
+    d = decide([P("e1", "k", "f", "committed")], "k", "other")
+    assert (d.action, d.match.id, d.by) == ("replay", "e1", "key")
+    d = decide([P("e1", "k1", "f", "committed")], "k2", "f")
+    assert (d.action, d.by) == ("replay", "fingerprint")
+    assert decide([P("e1", "k1", "f", "committed")], "k2", "f", "allow").action == "execute"
+    assert decide([P("e1", "k1", "f", "committed")], "k2", "f", "ask").action == "ask"
+    assert decide([P("e1", "k1", "f", "committed")], "k2", "f", "ask", force=True).action == "execute"
+    for st in ("unknown", "intent"):
+        assert decide([P("e1", "k", "f", st)], "k", "f").action == "reconcile"
+        assert decide([P("e1", "k", "f", st)], "k", "f", "allow").action == "execute"
+    d = decide([P("e1", "k", "f", "failed")], "k", "f")
+    assert (d.action, d.retry) == ("execute", True)
+    # committed beats unknown beats failed; key beats fingerprint in the same state
+    d = decide([P("e1", "k", "f", "failed"), P("e2", "x", "f", "unknown"), P("e3", "y", "f", "committed")], "k", "f")
+    assert (d.action, d.match.id) == ("replay", "e3")
+    d = decide([P("e1", "x", "f", "committed"), P("e2", "k", "g", "committed")], "k", "f")
+    assert (d.match.id, d.by) == ("e2", "key")
+    # no key: only the fingerprint can match
+    assert decide([P("e1", None, "g", "committed")], None, "f").action == "execute"
+    with pytest.raises(InvalidArgument):
+        decide([], None, "f", "sometimes")
+
+
+def test_effects_after_keeps_only_the_abandoned_stretch():
+    effs = [{"id": "a", "checkpoint": "s-1", "branch": 0}, {"id": "b", "checkpoint": "s-2", "branch": 0},
+            {"id": "c", "checkpoint": "s-1", "branch": 1}, {"id": "d", "checkpoint": "s-3", "branch": 1}]
+    # head s-3 on branch 1 (s-2 -> rolled back to s-1 -> s-3), back to s-1
+    assert [e["id"] for e in effects_after([("s-3", 1), ("s-1", 1)], effs)] == ["c", "d"]
+
+
+def test_budget_problem():
+    b = {"limits": {"turns": 2, "wall_s": None, "cost": 10}, "used": {"turns": 1, "wall_s": 9e9, "cost": 3}}
+    assert budget_problem(b) is None
+    b["used"]["turns"] = 2
+    assert budget_problem(b)[0] == "turns"
+    b["limits"]["turns"], b["used"]["cost"] = None, 10.0
+    assert budget_problem(b)[0] == "cost"
+
+
+# --- the ledger on a real store -------------------------------------------------------------
+@pytest.fixture
+def ledger(tmp_path):
+    st = Store(tmp_path)
+    st.add_sandbox(SandboxRow(id="s1", name="s1", image="busybox", fs_key="k", lineage="s1", head="s1-3",
+                              branch=1, turn=3))
+    yield Ledger(st), st
+    st.close()
+
+
+def test_intent_commit_replay_across_keys(ledger):
+    lg, st = ledger
+    sb = st.get_sandbox("s1")
+    d = lg.intent(sb, "email.send", key="u1", args={"to": "bob", "request_id": "u1"}, postcondition="sent")
+    assert d["decision"] == "execute"
+    e = d["effect"]
+    assert (e["state"], e["turn"], e["checkpoint"], e["branch"], e["verified"]) == ("intent", 3, "s1-3", 1, True)
+    lg.finish(e["id"], "committed", receipt={"message_id": "m1"}, result_digest="r1")
+    d2 = lg.intent(sb, "email.send", key="u2", args={"to": "bob", "request_id": "u2"})
+    assert (d2["decision"], d2["matched"], d2["matched_by"], d2["receipt"]) == \
+        ("replay", e["id"], "fingerprint", {"message_id": "m1"})
+    assert lg.get(e["id"])["replays"] == 1
+    assert lg.intent(sb, "email.other", key="u3", args={"to": "bob"})["decision"] == "execute"  # op matters
+    lg.set_policy("s1", "email.send", "allow")
+    assert lg.intent(sb, "email.send", key="u4", args={"to": "bob"})["decision"] == "execute"
+    lg.set_policy("s1", "*", "ask")
+    assert lg.policies("s1") == {"*": "ask", "email.send": "allow"}
+
+
+def test_finished_effects_are_final_and_unknown_needs_reconcile(ledger):
+    lg, st = ledger
+    sb = st.get_sandbox("s1")
+    e = lg.intent(sb, "pay", key="k", args={"amount": 5})["effect"]
+    lg.finish(e["id"], "unknown", error="timeout")
+    assert lg.intent(sb, "pay", key="k", args={"amount": 5})["decision"] == "reconcile"
+    with pytest.raises(InvalidArgument):
+        lg.finish(e["id"], "unknown", reconciled=True)
+    assert lg.finish(e["id"], "failed", error="not found downstream", reconciled=True)["state"] == "failed"
+    assert lg.finish(e["id"], "failed")["state"] == "failed"  # idempotent
+    with pytest.raises(FailedPrecondition):
+        lg.finish(e["id"], "committed")
+    d = lg.intent(sb, "pay", key="k", args={"amount": 5})
+    assert (d["decision"], d["retry"]) == ("execute", True)
+    assert lg.budget("s1")["used"]["retries"] == 1
+
+
+def test_restart_marks_in_flight_intents_unknown(ledger):
+    lg, st = ledger
+    e = lg.intent(st.get_sandbox("s1"), "pay", key="k", args={})["effect"]
+    assert lg.mark_in_flight_unknown() == [e["id"]]
+    assert lg.get(e["id"])["state"] == "unknown"
+
+
+def test_tampered_effect_is_not_replayed(ledger):
+    lg, st = ledger
+    sb = st.get_sandbox("s1")
+    e = lg.intent(sb, "pay", key="k", args={"amount": 5})["effect"]
+    lg.finish(e["id"], "committed", receipt={"id": "r"})
+    st._db.execute("UPDATE effects SET receipt=? WHERE id=?", ('{"id": "forged"}', e["id"]))
+    assert lg.get(e["id"])["verified"] is False
+    with pytest.raises(IntegrityError):
+        lg.intent(sb, "pay", key="k", args={"amount": 5})
+
+
+def test_budgets(ledger):
+    lg, st = ledger
+    assert lg.budget("s1")["limits"] == {"turns": None, "wall_s": None, "cost": None, "retries": None}
+    lg.set_budget("s1", {"turns": 2, "retries": 0})
+    lg.begin_turn("s1", "s1")
+    lg.begin_turn("s1", "s1")
+    with pytest.raises(BudgetExceeded) as ei:
+        lg.begin_turn("s1", "s1")
+    assert ei.value.code == "budget_exceeded" and "--turns" in ei.value.fix
+    assert lg.budget("s1")["used"]["turns"] == 2  # a refused turn is not counted
+    lg.set_budget("s1", {"turns": None})
+    lg.begin_turn("s1", "s1")
+    lg.charge("s1", cost=4.5, wall_s=1.25)
+    b = lg.budget("s1")
+    assert b["used"] == {"turns": 3, "wall_s": 1.25, "cost": 4.5, "retries": 0}
+    assert b["limits"]["retries"] == 0
+    e = lg.intent(st.get_sandbox("s1"), "pay", key="k", args={})["effect"]
+    lg.finish(e["id"], "failed")
+    with pytest.raises(BudgetExceeded):
+        lg.intent(st.get_sandbox("s1"), "pay", key="k", args={})
+    with pytest.raises(InvalidArgument):
+        lg.set_budget("s1", {"tokens": 3})
+    st._db.execute("UPDATE budgets SET used_turns=0")
+    with pytest.raises(IntegrityError):
+        lg.budget("s1")
+
+
+def test_unmanaged_effects_are_recorded_but_never_matched(ledger):
+    lg, st = ledger
+    sb = st.get_sandbox("s1")
+    ids = lg.record_unmanaged(sb, turn=3, checkpoint="s1-2", reasons=["connect to 10.0.0.1:80 (wget)"], unknown=True)
+    rows = lg.list("s1")
+    assert [(r["op"], r["kind"], r["state"]) for r in rows] == \
+        [("net.connect", "unmanaged", "committed"), ("unseen", "unmanaged", "unknown")]
+    assert [r["id"] for r in rows] == ids
+    with pytest.raises(FailedPrecondition):
+        lg.finish(ids[1], "committed")
+    rep = lg.rollback_report("s1", "s1", [("s1-3", 1), ("s1-2", 1)])
+    assert [e["id"] for e in rep["committed_after"]] == [ids[0]]
+    assert [e["id"] for e in rep["unknown"]] == [ids[1]]
