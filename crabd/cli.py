@@ -108,6 +108,7 @@ def serve(config_file: Optional[Path] = typer.Option(None, "--config", help="TOM
           socket: Optional[Path] = typer.Option(None, "--socket", envvar="CRABD_SOCKET", help="API unix socket [default: /run/crabd/crabd.sock]"),
           no_auto_rollback: bool = typer.Option(False, "--no-auto-rollback", help="do not roll back sandboxes that die"),
           no_scheduler: bool = typer.Option(False, "--no-scheduler", help="start every checkpoint at once (benchmark baseline)"),
+          capture: Optional[str] = typer.Option(None, "--capture", help="auto | fs-only | full: what each checkpoint saves [default: auto]"),
           tcp: Optional[str] = typer.Option(None, "--tcp", help="also serve HOST:PORT over TCP (needs --token-file)"),
           token_file: Optional[Path] = typer.Option(None, "--token-file", help="bearer token for the TCP listener")) -> None:
     """Run the crabd daemon (root): REST API on a unix socket."""
@@ -122,7 +123,7 @@ def serve(config_file: Optional[Path] = typer.Option(None, "--config", help="TOM
         return s.with_overrides(state_dir=state_dir, socket=socket,
                                 auto_rollback=False if no_auto_rollback else None,
                                 tcp_listen=tcp, token_file=token_file.resolve() if token_file else None,
-                                scheduler={"enabled": False} if no_scheduler else None)
+                                scheduler={"enabled": False} if no_scheduler else None, capture=capture)
     settings = _guard(build, False)
     try:
         _guard(lambda: asyncio.run(run(settings)), False)

@@ -102,6 +102,7 @@ class JobKind(str, enum.Enum):
     COMPRESSION = "compression"  # zstd a CRIU image written uncompressed for speed
     GC = "gc"  # delete layers/images no checkpoint references
     STANDBY_REFRESH = "standby_refresh"  # re-make a hot standby from a newer checkpoint
+    SIZING = "sizing"  # count the bytes a committed checkpoint added (a tree walk, off the turn's path)
 
     @property
     def background(self) -> bool:

@@ -65,7 +65,7 @@ def bind_unix_socket(path: Path) -> socket.socket:
 async def serve(settings: Settings) -> None:
     opts = DaemonOptions(auto_rollback=settings.auto_rollback, snapshot_driver=settings.snapshot.driver,
                          scheduler=settings.scheduler.policy(), keep_last=settings.retention.keep_last,
-                         keep_every=settings.retention.keep_every)
+                         keep_every=settings.retention.keep_every, capture=settings.capture)
     sdnotify.status("starting: loading state")
     daemon = Daemon(settings.state_dir, options=opts)
     await daemon.start()

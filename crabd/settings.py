@@ -99,6 +99,9 @@ class Settings(_Section):
     token_file: Path | None = Field(None, description="file holding the bearer token for the TCP API")
     auto_rollback: bool = Field(True, description="roll a sandbox that died back to its last checkpoint")
     watchdog: bool = Field(True, description="ping systemd's watchdog when the unit sets WatchdogSec=")
+    capture: Literal["auto", "fs-only", "full"] = Field(
+        "auto", description="auto: the classifier's plan; fs-only: never dump processes; "
+                            "full: CRIU dump + tar of changed files every turn (baseline)")
     retention: RetentionSettings = RetentionSettings()
     scheduler: SchedulerSettings = SchedulerSettings()
     snapshot: SnapshotSettings = SnapshotSettings()
