@@ -9,7 +9,9 @@ The OpenAPI document is at /openapi.json.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import sqlite3
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Query, Request
@@ -275,6 +277,19 @@ def make_app(daemon: Daemon, *, token: str | None = None, tokens: dict[str, str]
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
         return _err(e.status_code, code, str(e.detail))
+
+    # The state file system is shared by every sandbox (no per-sandbox
+    # quota): a sandbox that fills it makes crabd's own writes fail. Handled
+    # here (not by the catch-all, which re-raises) so the client gets a clean
+    # answer that says so instead of a reset connection.
+    @app.exception_handler(OSError)
+    @app.exception_handler(sqlite3.Error)
+    async def storage_error(request: Request, e: Exception) -> JSONResponse:
+        if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "disk is full" in str(e):
+            return _err(507, "disk_full", f"crabd's state file system is full: {e}",
+                        "free space in the state directory: delete sandboxes or checkpoints that hold big "
+                        "files (a rm inside a sandbox frees nothing its checkpoints still hold)")
+        return _err(500, "internal", f"{type(e).__name__}: {e}", "see crabd's log")
 
     @app.exception_handler(Exception)
     async def internal(request: Request, e: Exception) -> JSONResponse:

@@ -25,9 +25,44 @@ from .daemon import Daemon, DaemonOptions
 from .errors import FailedPrecondition
 from .settings import Settings
 
-__all__ = ["serve", "bind_unix_socket"]
+__all__ = ["serve", "bind_unix_socket", "load_tokens"]
 
 log = logging.getLogger("crabd")
+
+
+def load_tokens(path: Path) -> dict[str, str]:
+    """The tokens file: `owner:token` lines (blank lines and `#` comments
+    ignored) -> {token: owner}. Refused when group/world accessible, when a
+    token is shorter than 16 characters or used twice, or an owner name is
+    not [a-z0-9][a-z0-9._-]{0,62}."""
+    import re
+    try:
+        st = os.stat(path)
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise FailedPrecondition(f"cannot read tokens_file {path}: {e}") from e
+    if st.st_mode & 0o077:
+        raise FailedPrecondition(f"tokens_file {path} is accessible by group or others (mode {st.st_mode & 0o777:o})",
+                                 fix=f"chmod 600 {path}")
+    out: dict[str, str] = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        owner, sep, tok = line.partition(":")
+        owner, tok = owner.strip(), tok.strip()
+        where = f"tokens_file {path} line {n}"
+        if not sep or not re.fullmatch(r"[a-z0-9][a-z0-9._-]{0,62}", owner):
+            raise FailedPrecondition(f"{where}: not `owner:token` with a lowercase owner name",
+                                     fix="one `owner:token` per line, e.g. alice:$(head -c 32 /dev/urandom | base64)")
+        if len(tok) < 16 or any(c.isspace() for c in tok):
+            raise FailedPrecondition(f"{where}: the token of {owner} is shorter than 16 characters or has spaces",
+                                     fix="use a long random token: head -c 32 /dev/urandom | base64")
+        if tok in out:
+            raise FailedPrecondition(f"{where}: the token of {owner} is also {out[tok]}'s",
+                                     fix="give every owner its own token")
+        out[tok] = owner
+    return out
 
 
 def bind_unix_socket(path: Path) -> socket.socket:
@@ -72,8 +107,8 @@ async def serve(settings: Settings) -> None:
     sock = bind_unix_socket(settings.socket)
     sockets = [sock]
     token = None
-    if settings.tcp_host_port is not None:
-        assert settings.token_file is not None  # Settings enforces it
+    tokens = load_tokens(settings.tokens_file) if settings.tokens_file is not None else None
+    if settings.token_file is not None:
         try:
             token = settings.token_file.read_text().strip()
         except OSError as e:
@@ -81,12 +116,13 @@ async def serve(settings: Settings) -> None:
         if len(token) < 16:
             raise FailedPrecondition(f"the token in {settings.token_file} is shorter than 16 characters",
                                      fix="put a long random token there: head -c 32 /dev/urandom | base64")
+    if settings.tcp_host_port is not None:
         host, port = settings.tcp_host_port
         tcp = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
                                    reuse_port=False)
         tcp.setblocking(False)
         sockets.append(tcp)
-    app = make_app(daemon, token=token)
+    app = make_app(daemon, token=token, tokens=tokens)
     config = uvicorn.Config(app, log_level=os.environ.get("CRABD_LOG_LEVEL", "warning"), lifespan="off",
                             timeout_keep_alive=30)
     server = uvicorn.Server(config)

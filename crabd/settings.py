@@ -97,6 +97,7 @@ class Settings(_Section):
     socket: Path = Path("/run/crabd/crabd.sock")
     tcp_listen: str | None = Field(None, description='"HOST:PORT" for an optional TCP API; needs token_file')
     token_file: Path | None = Field(None, description="file holding the bearer token for the TCP API")
+    tokens_file: Path | None = Field(None, description='per-owner bearer tokens, "owner:token" lines (mode 0600)')
     auto_rollback: bool = Field(True, description="roll a sandbox that died back to its last checkpoint")
     watchdog: bool = Field(True, description="ping systemd's watchdog when the unit sets WatchdogSec=")
     capture: Literal["auto", "fs-only", "full"] = Field(
@@ -106,7 +107,7 @@ class Settings(_Section):
     scheduler: SchedulerSettings = SchedulerSettings()
     snapshot: SnapshotSettings = SnapshotSettings()
 
-    @field_validator("state_dir", "socket", "token_file")
+    @field_validator("state_dir", "socket", "token_file", "tokens_file")
     @classmethod
     def _absolute(cls, v: Path | None) -> Path | None:
         # A relative path would resolve against systemd's cwd (/): say so now.
@@ -143,8 +144,9 @@ class Settings(_Section):
     def _tcp_needs_token(self) -> "Settings":
         # The rule: TCP only with a bearer token; unix socket access is
         # gated by file mode, a TCP port by nothing else.
-        if self.tcp_listen is not None and self.token_file is None:
-            raise ValueError("tcp_listen is set but token_file is not: the TCP API is served only with a bearer token")
+        if self.tcp_listen is not None and self.token_file is None and self.tokens_file is None:
+            raise ValueError("tcp_listen is set but token_file is not (nor tokens_file): "
+                             "the TCP API is served only with a bearer token")
         return self
 
     @property
