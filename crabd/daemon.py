@@ -566,6 +566,7 @@ class Daemon:
             self.store.commit_checkpoint(ck.id, fs_snapshot=parent.fs_snapshot, proc_image=parent.proc_image,
                                          bytes=0, durations={"total": time.monotonic() - t_start, "size": 0.0})
             self._event("checkpoint.committed", ck.sandbox_id, checkpoint=ck.id, plan=ck.plan, bytes=0)
+            self._event("checkpoint.sized", ck.sandbox_id, checkpoint=ck.id, plan=ck.plan, bytes=0, size_ms=0.0)
             return None
         row = self.store.get_sandbox(ck.sandbox_id)
         d: dict[str, float] = {}
