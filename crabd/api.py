@@ -17,7 +17,7 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -369,7 +369,9 @@ def make_app(daemon: Daemon, *, token: str | None = None, tokens: dict[str, str]
             evs = [e for e in evs if e.sandbox_id in mine]
         return evs, last
 
-    @app.get("/v1/events")
+    @app.get("/v1/events", responses={200: {
+        "description": "follow=false: {events: [...]}; follow=true: a server-sent event stream",
+        "content": {"application/json": {}, "text/event-stream": {}}}})
     async def events(owner: Owner, since: int = Query(0, ge=0, le=MAX_SEQ),
                      sandbox: Annotated[str | None, Query(pattern=ID_PATTERN, max_length=128)] = None,
                      follow: bool = True) -> Response:
@@ -397,7 +399,7 @@ def make_app(daemon: Daemon, *, token: str | None = None, tokens: dict[str, str]
     async def health() -> dict[str, Any]:
         return daemon.health()
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         from .metrics import CONTENT_TYPE
         return Response(daemon.metrics.render(), media_type=CONTENT_TYPE)

@@ -101,13 +101,17 @@ async def serve(settings: Settings) -> None:
     opts = DaemonOptions(auto_rollback=settings.auto_rollback, snapshot_driver=settings.snapshot.driver,
                          scheduler=settings.scheduler.policy(), keep_last=settings.retention.keep_last,
                          keep_every=settings.retention.keep_every, capture=settings.capture)
+    # CRABD_INSPECTOR=proc: the /proc inspector instead of compiling the BPF
+    # one (seconds of clang at start); tests of the API layer use it.
+    opts.use_bpf = os.environ.get("CRABD_INSPECTOR", "bpf") != "proc"
+    # A bad tokens file stops the daemon before it touches any state.
+    tokens = load_tokens(settings.tokens_file) if settings.tokens_file is not None else None
     sdnotify.status("starting: loading state")
     daemon = Daemon(settings.state_dir, options=opts)
     await daemon.start()
     sock = bind_unix_socket(settings.socket)
     sockets = [sock]
     token = None
-    tokens = load_tokens(settings.tokens_file) if settings.tokens_file is not None else None
     if settings.token_file is not None:
         try:
             token = settings.token_file.read_text().strip()
