@@ -20,19 +20,21 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Literal
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Path, Query
 from pydantic import BaseModel, ConfigDict, Field
+
+from .api import Id, Text
 
 __all__ = ["make_router"]
 
 
 class IntentIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    op: str = Field(min_length=1, max_length=200, description="operation name, e.g. 'email.send'")
-    key: str | None = Field(None, min_length=1, max_length=500, description="idempotency key")
+    op: Text = Field(min_length=1, max_length=200, description="operation name, e.g. 'email.send'")
+    key: Text | None = Field(None, min_length=1, max_length=500, description="idempotency key")
     args: Any = Field(None, description="the call's arguments (JSON); fingerprinted, not stored")
-    postcondition: str | None = Field(None, max_length=4096, description="what should hold after it")
-    volatile: list[str] = Field(default_factory=list, max_length=100,
+    postcondition: Text | None = Field(None, max_length=4096, description="what should hold after it")
+    volatile: list[Text] = Field(default_factory=list, max_length=100,
                                 description="more argument names to leave out of the fingerprint")
     force: bool = Field(False, description="execute even when a match says replay/ask/reconcile")
 
@@ -40,8 +42,8 @@ class IntentIn(BaseModel):
 class FinishIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     receipt: Any = Field(None, description="downstream ids etc. (JSON), returned on replay")
-    result_digest: str | None = Field(None, max_length=200)
-    error: str | None = Field(None, max_length=4096)
+    result_digest: Text | None = Field(None, max_length=200)
+    error: Text | None = Field(None, max_length=4096)
 
 
 class ReconcileIn(FinishIn):
@@ -77,12 +79,12 @@ def make_router(daemon: Any) -> APIRouter:
         return daemon.store.get_sandbox(sid).lineage
 
     @r.post("/v1/sandboxes/{sid}/effects/intent")
-    async def intent(sid: str, body: IntentIn) -> dict[str, Any]:
+    async def intent(sid: Id, body: IntentIn) -> dict[str, Any]:
         return await call(daemon.effect_intent, sid, body.op, key=body.key, args=body.args,
                           postcondition=body.postcondition, volatile=body.volatile, force=body.force)
 
     def finish(state: str) -> Any:
-        async def handler(eid: str, body: FinishIn) -> dict[str, Any]:
+        async def handler(eid: Id, body: FinishIn) -> dict[str, Any]:
             return await call(daemon.effect_finish, eid, state, receipt=body.receipt,
                               result_digest=body.result_digest, error=body.error)
         return handler
@@ -91,16 +93,17 @@ def make_router(daemon: Any) -> APIRouter:
         r.add_api_route(f"/v1/effects/{{eid}}/{verb}", finish(state), methods=["POST"], name=f"effect_{verb}")
 
     @r.post("/v1/effects/{eid}/reconcile")
-    async def reconcile(eid: str, body: ReconcileIn) -> dict[str, Any]:
+    async def reconcile(eid: Id, body: ReconcileIn) -> dict[str, Any]:
         return await call(daemon.effect_finish, eid, body.outcome, receipt=body.receipt,
                           result_digest=body.result_digest, error=body.error, reconciled=True)
 
     @r.get("/v1/effects/{eid}")
-    async def get_effect(eid: str) -> dict[str, Any]:
+    async def get_effect(eid: Id) -> dict[str, Any]:
         return await call(ledger.get, eid)
 
     @r.get("/v1/sandboxes/{sid}/effects")
-    async def list_effects(sid: str, state: list[str] | None = Query(None), op: str | None = None,
+    async def list_effects(sid: Id, state: list[Literal["intent", "committed", "failed", "unknown"]] | None = Query(None),
+                           op: Text | None = None,
                            all_lineage: bool = Query(False, alias="lineage",
                                                      description="every sandbox of the lineage")) -> dict[str, Any]:
         sb = await call(daemon.store.get_sandbox, sid)
@@ -108,27 +111,30 @@ def make_router(daemon: Any) -> APIRouter:
         return {"lineage": sb.lineage, "effects": rows}
 
     @r.get("/v1/sandboxes/{sid}/effects/policies")
-    async def policies(sid: str) -> dict[str, Any]:
+    async def policies(sid: Id) -> dict[str, Any]:
         lin = await call(lineage, sid)
         return {"lineage": lin, "default": "replay", "policies": await call(ledger.policies, lin)}
 
     @r.put("/v1/sandboxes/{sid}/effects/policies/{op}")
-    async def set_policy(sid: str, op: str, body: PolicyIn) -> dict[str, Any]:
+    async def set_policy(sid: Id, body: PolicyIn,
+                         op: str = Path(pattern=r"^(\*|[A-Za-z0-9][A-Za-z0-9._:-]{0,199})$",
+                                        description="operation name, or * for the lineage's default")
+                         ) -> dict[str, Any]:
         lin = await call(lineage, sid)
         await call(ledger.set_policy, lin, op, body.policy)
         return {"lineage": lin, "op": op, "policy": body.policy}
 
     @r.get("/v1/sandboxes/{sid}/budget")
-    async def budget(sid: str) -> dict[str, Any]:
+    async def budget(sid: Id) -> dict[str, Any]:
         return await call(ledger.budget, await call(lineage, sid))
 
     @r.put("/v1/sandboxes/{sid}/budget")
-    async def set_budget(sid: str, body: BudgetIn) -> dict[str, Any]:
+    async def set_budget(sid: Id, body: BudgetIn) -> dict[str, Any]:
         lin = await call(lineage, sid)
         return await call(ledger.set_budget, lin, body.model_dump(exclude_unset=True))
 
     @r.post("/v1/sandboxes/{sid}/budget/charge")
-    async def charge(sid: str, body: ChargeIn) -> dict[str, Any]:
+    async def charge(sid: Id, body: ChargeIn) -> dict[str, Any]:
         return await call(ledger.charge, await call(lineage, sid), cost=body.cost)
 
     return r

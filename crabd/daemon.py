@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import fcntl
 import logging
 import os
 import secrets
@@ -91,6 +92,7 @@ class Daemon:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.state_dir, 0o700)
         self.options = options or DaemonOptions()
+        _nocow_wal_index(self.state_dir / "crabd.db-shm")
         self.store = Store(self.state_dir)
         from .effects import Ledger
         self.ledger = Ledger(self.store)  # effects ledger and budgets (crabd/effects.py)
@@ -164,10 +166,16 @@ class Daemon:
                 self._event("sandbox.lost", row.id, reason="its runtime state is gone")
                 self.store.update_sandbox(row.id, state="dead")
                 continue
-            if sb.status == "paused":
-                # Frozen by a checkpoint whose daemon was killed mid-commit:
-                # crabd never leaves a sandbox frozen on purpose.
-                await asyncio.to_thread(self.runtime.thaw, row.id)
+            # Frozen by a checkpoint whose daemon was killed mid-commit (the
+            # freezer file is written directly: runc may still say running):
+            # crabd never leaves a sandbox frozen on purpose.
+            fr = Freezer(self.runtime.layout, sb.cgroup_rel)
+            try:
+                frozen = sb.status in ("running", "paused") and fr.state() == "FROZEN"
+            except OSError:
+                frozen = False
+            if frozen:
+                await asyncio.to_thread(fr.thaw)
                 sb = await asyncio.to_thread(self.runtime.get, row.id)
                 self._event("sandbox.thawed", row.id, reason="found frozen at daemon start")
             if sb.status == "running":
@@ -537,8 +545,8 @@ class Daemon:
         job = self.scheduler.policy.checkpoint_job(sid, est, time.monotonic())
 
         async def run() -> Any:
-            # (the scheduler records the queue phase itself)
-            return await asyncio.to_thread(self._capture, ck)
+            # (the scheduler records the queue phase in its metrics itself)
+            return await asyncio.to_thread(self._capture, ck, self.scheduler.queue_wait(job.id) or 0.0)
 
         try:
             extra = await self.scheduler.submit(job, run)
@@ -555,21 +563,22 @@ class Daemon:
                 self._schedule_standby_refresh(sid)
                 self._schedule_maintenance()
 
-    def _capture(self, ck: CheckpointRow) -> int | None:
-        """Capture one checkpoint (worker thread): the scheduler admitted it.
-        Returns once the checkpoint is committed and durable: None if its
-        `bytes` are final, else the bytes to add to its snapshot's usage when
-        `_size_checkpoint` measures it later."""
+    def _capture(self, ck: CheckpointRow, queue: float = 0.0) -> int | None:
+        """Capture one checkpoint (worker thread): the scheduler admitted it
+        after `queue` seconds. Returns once the checkpoint is committed and
+        durable: None if its `bytes` are final, else the bytes to add to its
+        snapshot's usage when `_size_checkpoint` measures it later."""
         t_start = time.monotonic()
         parent = self.store.get_checkpoint(ck.parent) if ck.parent else None
         if ck.plan == "SKIP" and parent is not None:
             self.store.commit_checkpoint(ck.id, fs_snapshot=parent.fs_snapshot, proc_image=parent.proc_image,
-                                         bytes=0, durations={"total": time.monotonic() - t_start, "size": 0.0})
+                                         bytes=0, durations={"queue": queue, "total": time.monotonic() - t_start,
+                                                             "size": 0.0})
             self._event("checkpoint.committed", ck.sandbox_id, checkpoint=ck.id, plan=ck.plan, bytes=0)
             self._event("checkpoint.sized", ck.sandbox_id, checkpoint=ck.id, plan=ck.plan, bytes=0, size_ms=0.0)
             return None
         row = self.store.get_sandbox(ck.sandbox_id)
-        d: dict[str, float] = {}
+        d: dict[str, float] = {"queue": queue}
         t = time.monotonic()
         self.fs.prepare_checkpoint(row.fs_key)  # writeback while the sandbox still runs
         d["writeback"] = time.monotonic() - t
@@ -588,7 +597,7 @@ class Daemon:
         from .capture import FS_ONLY_REASON
         inherited = parent.proc_image if parent is not None and FS_ONLY_REASON not in ck.reasons else None
         self.store.commit_checkpoint(ck.id, fs_snapshot=name, proc_image=inherited, durations=d)
-        self.metrics.observe_checkpoint({k: v for k, v in d.items() if k in PHASES})
+        self.metrics.observe_checkpoint({k: v for k, v in d.items() if k in PHASES and k != "queue"})
         self._event("checkpoint.committed", ck.sandbox_id, checkpoint=ck.id, plan=ck.plan, bytes=None,
                     pause_ms=round(d["pause"] * 1000, 3))
         return 0
@@ -719,7 +728,7 @@ class Daemon:
             reasons.append(f"process image not captured: {error}")
         self.store.commit_checkpoint(ck.id, fs_snapshot=ck.id, proc_image=proc_image, bytes=size or 0, durations=d,
                                      reasons=reasons)
-        self.metrics.observe_checkpoint({k: v for k, v in d.items() if k in PHASES}, size or 0)
+        self.metrics.observe_checkpoint({k: v for k, v in d.items() if k in PHASES and k != "queue"}, size or 0)
         if error:
             self._event("checkpoint.proc_failed", ck.sandbox_id, checkpoint=ck.id, error=error)
         self._event("checkpoint.committed", ck.sandbox_id, checkpoint=ck.id, plan=ck.plan, bytes=size,
@@ -1013,7 +1022,7 @@ class Daemon:
                       error: str | None = None, reconciled: bool = False) -> dict[str, Any]:
         e = self.ledger.finish(eid, state, receipt=receipt, result_digest=result_digest, error=error,
                                reconciled=reconciled)
-        self._event(f"effect.{'reconciled' if reconciled else state}", e["sandbox"], effect=eid, op=e["op"],
+        self._event(f"effect.{'reconciled' if reconciled else state}", e["sandbox_id"], effect=eid, op=e["op"],
                     key=e["key"], state=e["state"])
         return e
 
@@ -1270,6 +1279,34 @@ class Daemon:
         return {"ok": True, "sandboxes": len(self.turns), "uptime_s": round(time.time() - self.started_at, 1),
                 "fs_driver": self.fs.driver, "inspector": getattr(self.inspector, "source", "proc"),
                 "schema_version": SCHEMA_VERSION}
+
+
+def _nocow_wal_index(path: Path) -> None:
+    """Make SQLite's WAL index file copy-on-write-free before SQLite opens it.
+
+    SQLite writes the WAL index through a shared mmap. On a copy-on-write
+    file system (btrfs state dir) every such write needs a new block, so when
+    a sandbox has filled the file system the write faults and the kernel
+    kills the daemon with SIGBUS. A NOCOW file (the flag takes only on an
+    empty file) is rewritten in place: SQLite's own extend-by-write then
+    gets ENOSPC as an error and the daemon answers "disk full" instead of
+    dying. Anywhere else (ext4, xfs) the flag is refused and nothing changes.
+    """
+    FS_IOC_GETFLAGS, FS_IOC_SETFLAGS, FS_NOCOW_FL = 0x80086601, 0x40086602, 0x00800000
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    except OSError:
+        return
+    try:
+        if os.fstat(fd).st_size == 0:
+            buf = bytearray(8)
+            fcntl.ioctl(fd, FS_IOC_GETFLAGS, buf)
+            flags = int.from_bytes(buf[:4], "little") | FS_NOCOW_FL
+            fcntl.ioctl(fd, FS_IOC_SETFLAGS, bytearray(flags.to_bytes(4, "little") + bytes(4)))
+    except OSError:
+        pass  # not btrfs: no copy-on-write, nothing to do
+    finally:
+        os.close(fd)
 
 
 def _change_dict(ch: Any) -> dict[str, Any]:

@@ -250,7 +250,6 @@ class Ledger:
         d = {k: r[k] for k in _EFFECT_COLS}
         ok = bool(r["digest"]) and secrets.compare_digest(r["digest"], self._sign_effect(d))
         out = dict(d)
-        out["sandbox"] = out.pop("sandbox_id")
         out["receipt"] = json.loads(d["receipt"]) if d["receipt"] else None
         out["verified"] = ok
         return out

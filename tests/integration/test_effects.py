@@ -124,14 +124,25 @@ def _events(c, sid: str, kind: str) -> list[dict]:
     return [e for e in c.events(sandbox=sid) if e["kind"] == kind]
 
 
-def test_crash_between_call_and_receipt_reconciles_by_key(start_daemon, service):
+def test_crash_between_call_and_receipt_reconciles_by_key_and_keeps_the_budget(start_daemon, service):
+    """kill -9 of crabd between an external call and its receipt: the retry
+    reconciles by key, the service saw the operation once. The same crash
+    does not reset the lineage's used-up turn budget, nor do a rollback and a
+    fork after it. (The /proc inspector: this test needs no BPF, and the
+    daemon starts twice.)"""
     rng = random.Random(9)
-    d = start_daemon()
+    d = start_daemon(env={"CRABD_INSPECTOR": "proc"})
     c = d.client()
     sid = c.create_sandbox("busybox")["id"]
+    c.set_budget(sid, turns=2)
+    t1 = c.exec(sid, "echo a > /root/f")
+    c.exec(sid, "echo b >> /root/f")
+    with pytest.raises(BudgetExceeded) as ei:
+        c.exec(sid, "true")
+    assert ei.value.code == "budget_exceeded" and "crabd budget set" in (ei.value.fix or "")
+
     key = f"order-{uuid.UUID(int=rng.getrandbits(128))}"
     args = {"amount": 42, "currency": "EUR", "request_id": str(uuid.UUID(int=rng.getrandbits(128)))}
-
     dec = c.effect_intent(sid, "payments.charge", key=key, args=args, postcondition="a charge exists for the key")
     assert dec["decision"] == "execute", dec
     eid = dec["effect"]["id"]
@@ -154,6 +165,24 @@ def test_crash_between_call_and_receipt_reconciles_by_key(start_daemon, service)
     dec = c.effect_intent(sid, "payments.charge", key=key, args=retry)
     assert (dec["decision"], dec["receipt"]) == ("replay", receipt), dec
     assert service.counts()[key] == 1                    # the service saw the operation once
+
+    # The budget: not reset by the crash, a rollback, or a fork (same lineage).
+    with pytest.raises(BudgetExceeded):
+        c.exec(sid, "true")
+    rb = c.rollback(sid, t1["checkpoint"])
+    assert eid in {e["id"] for e in rb["ledger"]["committed_after"]}  # made after turn 2's state
+    with pytest.raises(BudgetExceeded):
+        c.exec(sid, "true")
+    fork = c.fork(t1["checkpoint"])["sandboxes"][0]
+    with pytest.raises(BudgetExceeded):
+        c.exec(fork, "true")
+    r = subprocess.run([str(Path(sys.executable).parent / "crabd"), "budget", "show", sid, "--json",
+                        "--socket", str(d.socket)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    shown = json.loads(r.stdout)
+    assert shown["limits"]["turns"] == 2 and shown["used"]["turns"] == 2 and shown["used"]["wall_s"] > 0
+    c.set_budget(sid, turns=3)                           # the fix the error names
+    assert c.exec(sid, "cat /root/f")["stdout"] == "a\n"
 
 
 def test_regenerated_call_after_rollback_is_replayed(start_daemon, service):
@@ -196,35 +225,3 @@ def test_regenerated_call_after_rollback_is_replayed(start_daemon, service):
     c.set_effect_policy(sid, "email.send", "allow")      # an operation that may repeat: executes
     _, key3, _ = send("execute")
     assert service.counts()[key3] == 1
-
-
-def test_budget_survives_kill9_rollback_and_fork(start_daemon):
-    d = start_daemon()
-    c = d.client()
-    sid = c.create_sandbox("busybox")["id"]
-    c.set_budget(sid, turns=2)
-    t1 = c.exec(sid, "echo a > /root/f")
-    c.exec(sid, "echo b >> /root/f")
-    with pytest.raises(BudgetExceeded) as ei:
-        c.exec(sid, "true")
-    assert ei.value.code == "budget_exceeded" and "crabd budget set" in (ei.value.fix or "")
-
-    d.kill9()                                            # a crash loop cannot reset it ...
-    d.start()
-    c = d.client()
-    with pytest.raises(BudgetExceeded):
-        c.exec(sid, "true")
-    c.rollback(sid, t1["checkpoint"])                    # ... nor a rollback ...
-    with pytest.raises(BudgetExceeded):
-        c.exec(sid, "true")
-    fork = c.fork(t1["checkpoint"])["sandboxes"][0]      # ... nor a fork (same lineage)
-    with pytest.raises(BudgetExceeded):
-        c.exec(fork, "true")
-
-    r = subprocess.run([str(Path(sys.executable).parent / "crabd"), "budget", "show", sid, "--json",
-                        "--socket", str(d.socket)], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    shown = json.loads(r.stdout)
-    assert shown["limits"]["turns"] == 2 and shown["used"]["turns"] == 2 and shown["used"]["wall_s"] > 0
-    c.set_budget(sid, turns=3)                           # the fix the error names
-    assert c.exec(sid, "cat /root/f")["stdout"] == "a\n"
