@@ -4,6 +4,7 @@ A trace is one JSON file that replays an agent session in a sandbox:
 
     {"name": "calc-repair", "image": "debian-py", "description": "...",
      "setup": ["shell command", ...],            # before turn 1, not timed
+     "inputs": ["click-8.1.7.tar.gz", ...],      # cached PyPI files, copied to /inputs/ first
      "files": {"/work/app.py": "content", ...},   # written before setup
      "turns": [{"run": "shell command", "llm_wait_ms": 2000}, ...],
      "check": [{"run": "...", "expect_exit": 0, "expect_stdout": "..."?}],
@@ -16,13 +17,14 @@ Loading a malformed trace names the field that is wrong
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import InvalidArgument
 
-__all__ = ["Trace", "Turn", "Check", "load_trace", "load_traces"]
+__all__ = ["Trace", "Turn", "Check", "load_trace", "load_traces", "STATE_DIGEST"]
 
 
 class _Model(BaseModel):
@@ -46,10 +48,21 @@ class Trace(_Model):
     image: str = "debian-py"
     description: str = ""
     setup: list[str] = Field(default_factory=list)
+    # File names from the bench's input cache (bench/inputs.py), copied into the
+    # sandbox at /inputs/NAME before `files` and `setup`: sandboxes have no network.
+    inputs: list[str] = Field(default_factory=list)
     files: dict[str, str] = Field(default_factory=dict)
     turns: list[Turn] = Field(min_length=1)
     check: list[Check] = Field(default_factory=list)
     state_paths: list[str] = Field(default_factory=list)
+
+    @field_validator("inputs")
+    @classmethod
+    def _plain_names(cls, v):  # type: ignore[no-untyped-def]
+        for n in v:
+            if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$", n):
+                raise ValueError(f"input {n!r} must be a plain file name (bench/inputs.py PINNED)")
+        return v
 
     @field_validator("files", "state_paths")
     @classmethod
@@ -59,6 +72,27 @@ class Trace(_Model):
             if not p.startswith("/") or "/../" in p + "/" or "\0" in p:
                 raise ValueError(f"path {p!r} must be absolute, without '..'")
         return v
+
+
+# A Python script run in the sandbox: `python3 -c STATE_DIGEST PATH...` prints one
+# sha256 over the trees' paths, modes, file contents and symlink targets (not
+# mtimes; .git and __pycache__ skipped): what a correct recovery must reproduce.
+STATE_DIGEST = r"""
+import hashlib, os, sys
+h = hashlib.sha256()
+for top in sys.argv[1:]:
+    for d, dirs, files in os.walk(top):
+        dirs[:] = sorted(x for x in dirs if x not in ('.git', '__pycache__'))
+        for n in sorted(files) + [x for x in dirs if os.path.islink(os.path.join(d, x))]:
+            p = os.path.join(d, n)
+            st = os.lstat(p)
+            h.update(p.encode() + oct(st.st_mode).encode())
+            if os.path.islink(p):
+                h.update(os.readlink(p).encode())
+            elif os.path.isfile(p):
+                h.update(open(p, 'rb').read())
+print(h.hexdigest())
+"""
 
 
 def load_trace(path: Path | str) -> Trace:
