@@ -95,7 +95,40 @@ def is_volatile(name: str, extra: Iterable[str] = ()) -> bool:
     return n in VOLATILE_NAMES or n.endswith(VOLATILE_SUFFIXES) or n in {_norm_name(x) for x in extra}
 
 
-def _canon(v: Any, extra: frozenset[str], path: str) -> Any:
+MAX_DEPTH = 64  # nesting of arguments and receipts: deeper is refused, not a RecursionError
+
+
+def _utf8(s: str, path: str) -> str:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgument(f"argument {path or '(root)'} is not valid UTF-8 (a lone surrogate)") from None
+    return s
+
+
+def check_json(v: Any, what: str = "receipt", depth: int = 0) -> Any:
+    """`v` as JSON crabd can store: finite numbers, UTF-8 text, nesting <= MAX_DEPTH."""
+    if depth > MAX_DEPTH:
+        raise InvalidArgument(f"{what} is nested deeper than {MAX_DEPTH} levels")
+    if isinstance(v, float) and not math.isfinite(v):
+        raise InvalidArgument(f"{what} holds {v}: not JSON")
+    if isinstance(v, str):
+        _utf8(v, what)
+    elif isinstance(v, (list, tuple)):
+        for x in v:
+            check_json(x, what, depth + 1)
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            _utf8(str(k), what)
+            check_json(x, what, depth + 1)
+    elif v is not None and not isinstance(v, (bool, int, float)):
+        raise InvalidArgument(f"{what} holds a {type(v).__name__}: not JSON")
+    return v
+
+
+def _canon(v: Any, extra: frozenset[str], path: str, depth: int = 0) -> Any:
+    if depth > MAX_DEPTH:
+        raise InvalidArgument(f"argument {path or '(root)'} is nested deeper than {MAX_DEPTH} levels")
     if v is None or isinstance(v, bool):
         return v
     if isinstance(v, int):
@@ -106,9 +139,9 @@ def _canon(v: Any, extra: frozenset[str], path: str) -> Any:
                                   fix="send finite numbers, or the value as a string")
         return int(v) if v.is_integer() else v
     if isinstance(v, str):
-        return " ".join(unicodedata.normalize("NFC", v).split())
+        return " ".join(unicodedata.normalize("NFC", _utf8(v, path)).split())
     if isinstance(v, (list, tuple)):
-        return [_canon(x, extra, f"{path}[{i}]") for i, x in enumerate(v)]
+        return [_canon(x, extra, f"{path}[{i}]", depth + 1) for i, x in enumerate(v)]
     if isinstance(v, dict):
         out: dict[str, Any] = {}
         for k, x in v.items():
@@ -116,10 +149,10 @@ def _canon(v: Any, extra: frozenset[str], path: str) -> Any:
                 raise InvalidArgument(f"argument {path or '(root)'} has a non-string key {k!r}")
             if x is None or is_volatile(k, extra):
                 continue
-            nk = unicodedata.normalize("NFC", k).strip()
+            nk = unicodedata.normalize("NFC", _utf8(k, path)).strip()
             if nk in out:
                 raise InvalidArgument(f"argument {path or '(root)'} has two keys that normalise to {nk!r}")
-            out[nk] = _canon(x, extra, f"{path}.{nk}" if path else nk)
+            out[nk] = _canon(x, extra, f"{path}.{nk}" if path else nk, depth + 1)
         return out
     raise InvalidArgument(f"argument {path or '(root)'} has type {type(v).__name__}: not JSON")
 
@@ -356,6 +389,7 @@ class Ledger:
                 raise InvalidArgument("reconcile needs the outcome you found: committed or failed")
             fields: dict[str, Any] = {"state": state}
             if receipt is not None:
+                check_json(receipt)
                 fields["receipt"] = json.dumps(receipt, sort_keys=True, default=str)
             if result_digest is not None:
                 fields["result_digest"] = result_digest

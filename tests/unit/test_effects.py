@@ -58,6 +58,13 @@ def test_bad_arguments_refused():
         fingerprint({"x": object()})
     with pytest.raises(InvalidArgument):
         fingerprint({"k": 1, " k": 2})
+    with pytest.raises(InvalidArgument):
+        fingerprint({"s": "\ud800"})
+    deep: list = []
+    for _ in range(200):
+        deep = [deep]
+    with pytest.raises(InvalidArgument):
+        fingerprint(deep)
 
 
 # --- matching -----------------------------------------------------------------------------
@@ -210,3 +217,62 @@ def test_unmanaged_effects_are_recorded_but_never_matched(ledger):
     rep = lg.rollback_report("s1", "s1", [("s1-3", 1), ("s1-2", 1)])
     assert [e["id"] for e in rep["committed_after"]] == [ids[0]]
     assert [e["id"] for e in rep["unknown"]] == [ids[1]]
+
+
+# --- the API routes, in process (real Ledger and Daemon methods, no runtime) ------------------
+def test_api_routes_and_input_errors(tmp_path):
+    import asyncio
+
+    import httpx
+
+    from crabd.api import make_app
+    from crabd.daemon import Daemon
+
+    st = Store(tmp_path)
+    st.add_sandbox(SandboxRow(id="sb1", name="sb1", image="busybox", fs_key="k", lineage="sb1", head="sb1-1"))
+    d = Daemon.__new__(Daemon)  # the ledger methods only: store, ledger, events
+    d.store, d.ledger, d._loop, d._event_waiters = st, Ledger(st), None, set()
+    app = make_app(d, token="t0123456789abcdef")
+
+    async def go(*calls: tuple[str, str, dict | bytes | None]) -> list[httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://crabd:7411",
+                                     headers={"authorization": "Bearer t0123456789abcdef"}) as c:
+            return [await (c.request(m, p, content=j, headers={"content-type": "application/json"})
+                           if isinstance(j, bytes) else c.request(m, p, json=j)) for m, p, j in calls]
+
+    def one(m: str, p: str, j: dict | bytes | None = None) -> httpx.Response:
+        return asyncio.run(go((m, p, j)))[0]
+
+    r = one("POST", "/v1/sandboxes/sb1/effects/intent", {"op": "email.send", "key": "k1", "args": {"to": "bob"}})
+    assert r.status_code == 200 and r.json()["decision"] == "execute", r.text
+    eid = r.json()["effect"]["id"]
+    assert one("POST", f"/v1/effects/{eid}/commit", {"receipt": {"id": "m1"}}).json()["state"] == "committed"
+    r = one("POST", "/v1/sandboxes/sb1/effects/intent", {"op": "email.send", "key": "k2", "args": {"to": "bob"}})
+    assert (r.json()["decision"], r.json()["receipt"]) == ("replay", {"id": "m1"})
+    assert one("PUT", "/v1/sandboxes/sb1/effects/policies/email.send", {"policy": "ask"}).status_code == 200
+    r = one("POST", "/v1/sandboxes/sb1/effects/intent", {"op": "email.send", "args": {"to": "bob"}})
+    assert r.json()["decision"] == "ask"
+    assert one("GET", "/v1/sandboxes/sb1/effects/policies").json()["policies"] == {"email.send": "ask"}
+    assert [e["id"] for e in one("GET", "/v1/sandboxes/sb1/effects?state=committed").json()["effects"]] == [eid]
+    assert one("PUT", "/v1/sandboxes/sb1/budget", {"turns": 5}).json()["limits"]["turns"] == 5
+    assert one("POST", "/v1/sandboxes/sb1/budget/charge", {"cost": 2.5}).json()["used"]["cost"] == 2.5
+    assert one("GET", "/v1/sandboxes/sb1/budget").json()["limits"] == {"turns": 5, "wall_s": None, "cost": None,
+                                                                         "retries": None}
+    kinds = [e.kind for e in st.events_since(0)]
+    assert kinds == ["effect.intent", "effect.committed", "effect.replay", "effect.ask"]
+    # errors: JSON with the category's status, never a 500
+    for (m, p, j), status in [
+        (("POST", f"/v1/effects/{eid}/fail", {}), 409),                       # already committed
+        (("POST", "/v1/effects/eff-nope/commit", {}), 404),
+        (("POST", "/v1/sandboxes/nope/effects/intent", {"op": "x"}), 404),
+        (("POST", "/v1/sandboxes/sb1/effects/intent", {"op": ""}), 422),
+        (("POST", "/v1/sandboxes/sb1/effects/intent", b'{"op": "x", "args": {"s": "\\ud800"}}'), 422),
+        (("POST", "/v1/sandboxes/sb1/effects/intent", {"op": "x", "bogus": 1}), 422),
+        (("POST", f"/v1/effects/{eid}/reconcile", {"outcome": "unknown"}), 422),
+        (("PUT", "/v1/sandboxes/sb1/effects/policies/email.send", {"policy": "sometimes"}), 422),
+        (("PUT", "/v1/sandboxes/sb1/budget", {"turns": -1}), 422),
+        (("GET", "/v1/sandboxes/sb1/effects?state=done", None), 422),
+    ]:
+        r = one(m, p, j)
+        assert r.status_code == status and "error" in r.json(), (p, j, r.status_code, r.text)
+    st.close()
