@@ -4,17 +4,23 @@ crashes (its sandbox's processes are killed and the tool raises), is resumed
 from an earlier graph checkpoint, and forked into a second thread. The files
 are compared by sha256 with what each step wrote.
 
-LangGraph's conformance suite runs against the saver with an in-process fake
-of the client (tests/unit/test_langgraph_saver.py): against a daemon it would
-make a sandbox for each of its ~50 threads."""
+LangGraph's conformance suite runs in full against the saver with an
+in-process fake of the client (tests/unit/test_langgraph_saver.py); here two
+of its capabilities run against the daemon (the whole suite makes a sandbox
+for each of its ~50 threads: ~40 s on a loaded host)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import signal
+import tempfile
 import time
+from pathlib import Path
 from typing import Annotated, Any, TypedDict
+
+import pytest
 
 from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, ToolMessage
 from langchain_core.runnables import RunnableConfig
@@ -23,6 +29,7 @@ from langgraph.graph.message import add_messages
 
 from crabd.client import Client
 from crabd.integrations.langgraph import CrabdCheckpointSaver, record_of
+from crabd.testing import DaemonHandle, cleanup_state_dir
 
 # What the fake LLM asks for, one tool call per turn: (file, shell to run).
 EDITS = [
@@ -105,9 +112,53 @@ def wait_recovered(c: Client, sid: str, since: int) -> None:
     raise AssertionError(f"crabd did not recover sandbox {sid} after its processes were killed: {kinds}")
 
 
-def test_agent_crash_resume_from_earlier_checkpoint_and_fork(start_daemon):
-    d = start_daemon()
-    c = d.client()
+@pytest.fixture(scope="module")
+def daemon(runtime, busybox_image):
+    """One daemon for this module's tests (starting one is most of their cost).
+    The /proc inspector (CRABD_INSPECTOR=proc): the saver takes manual
+    checkpoints, so what the turn inspector classifies does not change these
+    tests, and it spares compiling the BPF program at start."""
+    from crabd.runtime import Runtime
+    st = Path(tempfile.mkdtemp(prefix="crabd-test-", dir="/var/tmp"))
+    Runtime(st).images.import_path(runtime.images.get(busybox_image).path, busybox_image)
+    d = DaemonHandle(st, env={"CRABD_INSPECTOR": "proc"})
+    try:
+        d.start()
+        yield d
+    finally:
+        try:
+            if d.proc and d.proc.poll() is None:
+                c = d.client()
+                for sb in c.sandboxes():
+                    c.delete_sandbox(sb["id"])
+        finally:
+            d.stop()
+            cleanup_state_dir(st)
+
+
+def test_conformance_subset_against_the_daemon(daemon):
+    from langgraph.checkpoint.conformance import checkpointer_test, validate
+    c = daemon.client()
+    before = {s["id"] for s in c.sandboxes()}
+
+    @checkpointer_test(name="CrabdCheckpointSaver(crabd daemon)")
+    async def factory() -> Any:
+        yield CrabdCheckpointSaver(c, image="busybox")
+
+    report = asyncio.run(validate(factory, capabilities={"get_tuple", "delete_thread"}))
+    report.print_report()
+    for cap in ("get_tuple", "delete_thread"):
+        res = report.results[cap]
+        assert res.tests_passed > 0 and res.tests_failed == 0, (cap, res.failures)
+    # every graph checkpoint got a real crabd checkpoint of its thread's sandbox
+    made = [s for s in c.sandboxes() if s["id"] not in before]
+    assert made and all(len(c.checkpoints(s["id"])) >= 2 for s in made)
+    for s in made:
+        c.delete_sandbox(s["id"])
+
+
+def test_agent_crash_resume_from_earlier_checkpoint_and_fork(daemon):
+    c = daemon.client()
     saver = CrabdCheckpointSaver(c, image="busybox")
     crash: dict[str, Any] = {"at": 4}
     graph = build_agent(saver, c, crash)
