@@ -590,6 +590,18 @@ def bench_chaos(ctx: typer.Context) -> None:
     _bench("chaos.py", ctx.args)
 
 
+@bench_app.command("langgraph", context_settings=_BENCH_CTX)
+def bench_langgraph(ctx: typer.Context) -> None:
+    """CrabdCheckpointSaver per-step overhead, time travel, fork_thread (bench/saver.py; --steps, --runs, --quick, --json)."""
+    _bench("saver.py", ctx.args)
+
+
+@bench_app.command("stall", context_settings=_BENCH_CTX)
+def bench_stall(ctx: typer.Context) -> None:
+    """Stall, checkpoint latency and end-to-end overhead at 1..N sandboxes, scheduler on/off vs bare runc (bench/stall.py; --sandboxes, --turns, --json)."""
+    _bench("stall.py", ctx.args)
+
+
 def main() -> None:
     app()
 

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import fcntl
 import logging
 import os
 import secrets
+import sqlite3
 import shutil
 import subprocess
 import tempfile
@@ -38,6 +38,7 @@ from typing import Any, Sequence
 
 import deltafs
 from deltafs import mount_all, unmount
+from deltafs.metadata import nocow_wal_index
 from deltafs.snapshotter import chaos_point  # CRABD_CHAOS: bench/chaos.py's kill points
 
 from . import config
@@ -92,7 +93,8 @@ class Daemon:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.state_dir, 0o700)
         self.options = options or DaemonOptions()
-        _nocow_wal_index(self.state_dir / "crabd.db-shm")
+        nocow_wal_index(str(self.state_dir / "crabd.db"))
+        self._ensure_reserve()
         self.store = Store(self.state_dir)
         from .effects import Ledger
         self.ledger = Ledger(self.store)  # effects ledger and budgets (crabd/effects.py)
@@ -407,7 +409,14 @@ class Daemon:
                                                                                             "failed")))]
         images = [c.proc_image for c in self.store.list_checkpoints(row.id, states=("committed", "pending", "failed"))
                   if c.proc_image]
-        self.store.delete_sandbox(row.id)
+        try:
+            self.store.delete_sandbox(row.id)
+        except sqlite3.OperationalError as e:
+            if "full" not in str(e) or not self._release_reserve():
+                raise
+            # The state file system was full (no per-sandbox quota: a sandbox
+            # filled it); the released reserve leaves room to record this.
+            self.store.delete_sandbox(row.id)
         self._remove_snapshot(row.fs_key)
         for img in dict.fromkeys(images):
             if self.store.proc_image_refs(img) == 0:
@@ -422,6 +431,33 @@ class Daemon:
         shutil.rmtree(self.state_dir / "full" / row.id, ignore_errors=True)  # capture mode full's copies
         self.metrics.sandboxes.set(len(self.turns))
         self._event("sandbox.destroyed", row.id)
+        self._ensure_reserve()
+
+    # Space kept back on the state file system so that destroying a sandbox
+    # still works after one filled it: SQLite needs room to record a delete.
+    RESERVE_BYTES = 32 << 20
+
+    def _ensure_reserve(self) -> None:
+        path = self.state_dir / "space.reserve"
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError:
+            return
+        try:
+            if os.fstat(fd).st_size < self.RESERVE_BYTES:
+                os.posix_fallocate(fd, 0, self.RESERVE_BYTES)
+        except OSError:
+            pass  # no room now: made again after the next destroy
+        finally:
+            os.close(fd)
+
+    def _release_reserve(self) -> bool:
+        try:
+            os.unlink(self.state_dir / "space.reserve")
+        except FileNotFoundError:
+            return False
+        self.fs.sync()  # btrfs returns the blocks at the next transaction commit
+        return True
 
     def _remove_snapshot(self, name: str) -> None:
         try:
@@ -1279,34 +1315,6 @@ class Daemon:
         return {"ok": True, "sandboxes": len(self.turns), "uptime_s": round(time.time() - self.started_at, 1),
                 "fs_driver": self.fs.driver, "inspector": getattr(self.inspector, "source", "proc"),
                 "schema_version": SCHEMA_VERSION}
-
-
-def _nocow_wal_index(path: Path) -> None:
-    """Make SQLite's WAL index file copy-on-write-free before SQLite opens it.
-
-    SQLite writes the WAL index through a shared mmap. On a copy-on-write
-    file system (btrfs state dir) every such write needs a new block, so when
-    a sandbox has filled the file system the write faults and the kernel
-    kills the daemon with SIGBUS. A NOCOW file (the flag takes only on an
-    empty file) is rewritten in place: SQLite's own extend-by-write then
-    gets ENOSPC as an error and the daemon answers "disk full" instead of
-    dying. Anywhere else (ext4, xfs) the flag is refused and nothing changes.
-    """
-    FS_IOC_GETFLAGS, FS_IOC_SETFLAGS, FS_NOCOW_FL = 0x80086601, 0x40086602, 0x00800000
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-    except OSError:
-        return
-    try:
-        if os.fstat(fd).st_size == 0:
-            buf = bytearray(8)
-            fcntl.ioctl(fd, FS_IOC_GETFLAGS, buf)
-            flags = int.from_bytes(buf[:4], "little") | FS_NOCOW_FL
-            fcntl.ioctl(fd, FS_IOC_SETFLAGS, bytearray(flags.to_bytes(4, "little") + bytes(4)))
-    except OSError:
-        pass  # not btrfs: no copy-on-write, nothing to do
-    finally:
-        os.close(fd)
 
 
 def _change_dict(ch: Any) -> dict[str, Any]:

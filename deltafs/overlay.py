@@ -40,7 +40,7 @@ from .errors import FailedPrecondition
 from .layers import LayerEntry, check_layer_path, merge_plan, overlay_mount
 from .metadata import Row
 from .mount import Mount, mount_all, mountinfo, unmount
-from .snapshotter import Kind, Snapshotter, Usage, _failpoint
+from .snapshotter import Kind, Snapshotter, Usage, _failpoint, chaos_point
 from .tree import O_DIR, Copier, copy_root_meta, remove_tree, walk_fd
 
 __all__ = ["OverlaySnapshotter", "plan_capture", "Node", "DEFAULT_MAX_DEPTH"]
@@ -563,6 +563,7 @@ class OverlaySnapshotter(Snapshotter):
         if k < 2:
             return
         run = chain[:k]
+        chaos_point("compaction")
         mid = self.meta.new_merge_id()
         tmp = self._abs(f"tmp/m{mid}")
         remove_tree(tmp)

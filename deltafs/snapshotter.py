@@ -106,6 +106,22 @@ def _failpoint(name: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+# Chaos hook (`crabd bench chaos`, tests/integration/test_chaos.py):
+# CRABD_CHAOS=<phase>[,<phase>...] makes `chaos_point(phase)` announce itself
+# on stderr ("crabd-chaos: <phase> <pid>") and then sleep CRABD_CHAOS_SLEEP
+# seconds (default 0.3), so a test that watches stderr can SIGKILL the
+# process at a random instant inside that phase. Unset, it costs one lookup.
+_CHAOS = frozenset(p for p in os.environ.get("CRABD_CHAOS", "").split(",") if p)
+_CHAOS_SLEEP = float(os.environ.get("CRABD_CHAOS_SLEEP", "0.3") or 0.3)
+
+
+def chaos_point(phase: str) -> None:
+    if phase in _CHAOS:
+        import time
+        os.write(2, f"crabd-chaos: {phase} {os.getpid()}\n".encode())
+        time.sleep(_CHAOS_SLEEP)
+
+
 def _check_name(name: str) -> None:
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise InvalidArgument(
@@ -237,6 +253,12 @@ class Snapshotter(abc.ABC):
         """Where an active snapshot is mounted in this mount namespace; default: unknown."""
         return []
 
+    # Committed snapshots can be read without the lock (see usage()); the
+    # preparation of a checkpoint is a flush that needs no lock (see
+    # prepare_checkpoint()).
+    _usage_unlocked = False
+    _prepare_unlocked = False
+
     def _usage(self, row: Row, parent: Row | None) -> Usage:
         """Default: allocated bytes of entries added or modified relative to the parent."""
         new = self._tree(row)
@@ -292,10 +314,16 @@ class Snapshotter(abc.ABC):
         btrfs: write back the dirty pages a snapshot would flush. overlay:
         pre-copy changed files, so the frozen capture only re-checks them.
         Optional: checkpoint() is correct without it, only its pause is longer.
+        A driver whose preparation is a plain flush (`_prepare_unlocked`)
+        runs it without the store's lock, so other sandboxes' checkpoints
+        (frozen meanwhile) do not wait for it.
         """
         with self._lock:
             row = self._active(key, "prepare a checkpoint of")
-            self._prepare_checkpoint(row)
+            if not self._prepare_unlocked:
+                self._prepare_checkpoint(row)
+                return
+        self._prepare_checkpoint(row)
 
     def checkpoint(self, key: str, name: str | None = None, labels: dict[str, str] | None = None) -> str:
         """Freeze the content of active `key` as a new committed snapshot; keep `key` live on top of it.
@@ -357,11 +385,19 @@ class Snapshotter(abc.ABC):
             yield Info(r.name, r.kind, by_id.get(r.parent) if r.parent else None, r.created, r.labels)
 
     def usage(self, name: str) -> Usage:
-        """Bytes and inodes snapshot `name` adds over its parent."""
+        """Bytes and inodes snapshot `name` adds over its parent.
+
+        On drivers whose committed snapshots are immutable directories
+        (`_usage_unlocked`), the walk of a committed snapshot runs without
+        the store's lock: it takes up to a second, and a sandbox frozen for
+        its checkpoint must not wait for it. A snapshot removed meanwhile
+        makes the walk fail with OSError."""
         with self._lock:
             row = self.meta.get(name)
             parent = self.meta.by_id(row.parent) if row.parent else None
-            return self._usage(row, parent)
+            if not (self._usage_unlocked and row.kind == Kind.COMMITTED):
+                return self._usage(row, parent)
+        return self._usage(row, parent)
 
     def tree(self, name: str) -> dict[bytes, Entry]:
         """The file tree of any snapshot, path -> Entry (never following symlinks)."""
@@ -414,17 +450,20 @@ class Snapshotter(abc.ABC):
         """Make every snapshot and the metadata durable (syncfs of the file systems they live on).
 
         A checkpoint is consistent when checkpoint() returns and durable after
-        sync(); callers run it after thawing the sandbox.
+        sync(); callers run it after thawing the sandbox. The syncfs calls run
+        without the store's lock (they can take long on a busy disk, and
+        everything committed before the call is flushed either way).
         """
         with self._lock:
-            for path in self._sync_paths():
-                fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-                try:
-                    if _libc.syncfs(fd) != 0:
-                        e = ctypes.get_errno()
-                        raise OSError(e, f"syncfs {path}: {os.strerror(e)}")
-                finally:
-                    os.close(fd)
+            paths = self._sync_paths()
+        for path in paths:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                if _libc.syncfs(fd) != 0:
+                    e = ctypes.get_errno()
+                    raise OSError(e, f"syncfs {path}: {os.strerror(e)}")
+            finally:
+                os.close(fd)
 
     def _sync_paths(self) -> list[str]:
         return [self.state_dir]
