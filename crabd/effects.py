@@ -299,6 +299,11 @@ class Ledger:
         if r is None:
             raise NotFound(f"no effect {eid!r}", fix="crabd effects ls SANDBOX lists them")
         d = {k: r[k] for k in _EFFECT_COLS}
+        if not r["digest"] or not secrets.compare_digest(r["digest"], self._sign_effect(d)):
+            # Re-signing it would launder the change.
+            from .store import IntegrityError
+            raise IntegrityError(f"effect {eid}'s ledger row does not match its digest: not changing it",
+                                 fix="it was modified outside crabd; inspect it with crabd effects ls --json")
         d.update(fields, updated_at=time.time())
         sets = ",".join(f"{k}=?" for k in (*fields, "updated_at", "digest"))
         self.store._db.execute(f"UPDATE effects SET {sets} WHERE id=?",
@@ -422,11 +427,17 @@ class Ledger:
     def mark_in_flight_unknown(self) -> list[str]:
         """At daemon start: intents a previous crabd left open may or may not
         have happened: they are `unknown` until reconciled."""
+        from .store import IntegrityError
+        done = []
         with self.store.transaction():
             ids = [r[0] for r in self.store._db.execute("SELECT id FROM effects WHERE state='intent'").fetchall()]
             for eid in ids:
-                self._update(eid, state="unknown", error="crabd restarted while this effect was in flight")
-        return ids
+                try:
+                    self._update(eid, state="unknown", error="crabd restarted while this effect was in flight")
+                    done.append(eid)
+                except IntegrityError:
+                    pass  # left as it is; listing shows it unverified, using it is refused
+        return done
 
     def rollback_report(self, sid: str, lineage: str, path: Sequence[tuple[str, int]]) -> dict[str, Any]:
         """For a rollback of `sid`: the effects it did not undo (made after the
@@ -434,8 +445,10 @@ class Ledger:
         whose outcome is not known (unknown or still in flight)."""
         mine = self.list(lineage, sandbox_id=sid)
         after = effects_after(path, mine)
-        return {"committed_after": [_brief(e) for e in after if e["state"] == "committed"],
-                "unknown": [_brief(e) for e in mine if e["state"] in ("unknown", "intent")]}
+        # Unmanaged effects were seen (or may have happened unseen): all count
+        # as not undone; only managed ones have an outcome to reconcile.
+        return {"committed_after": [_brief(e) for e in after if e["state"] == "committed" or e["kind"] == "unmanaged"],
+                "unknown": [_brief(e) for e in mine if e["state"] in ("unknown", "intent") and e["kind"] == "managed"]}
 
     # --- policies ---------------------------------------------------------------------------
     def _policy(self, lineage: str, op: str) -> str:

@@ -8,6 +8,7 @@ side, through the ledger, the way an agent's tool runner would.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -21,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from crabd.client import AsyncClient
 from crabd.effects import BudgetExceeded
 from crabd.errors import FailedPrecondition
 
@@ -211,9 +213,14 @@ def test_regenerated_call_after_rollback_is_replayed(start_daemon, service):
     assert unmanaged and {e["turn"] for e in unmanaged} == {t2["turn"]}, unmanaged
     assert any("wget" in (e["postcondition"] or "") for e in unmanaged), unmanaged
 
+    async def async_view() -> list[dict]:
+        async with AsyncClient(d.socket) as ac:
+            return await ac.effects(sid)
+    assert [e["id"] for e in asyncio.run(async_view())] == [e["id"] for e in c.effects(sid)]
+
     rb = c.rollback(sid, t1["checkpoint"])
     after = {e["id"] for e in rb["ledger"]["committed_after"]}
-    assert after == {eid} | {e["id"] for e in unmanaged if e["state"] == "committed"}, rb["ledger"]
+    assert after == {eid} | {e["id"] for e in unmanaged}, rb["ledger"]
     ev = _events(c, sid, "effects.not_undone")
     assert ev and {e["id"] for e in ev[-1]["data"]["committed_after"]} == after
 

@@ -175,6 +175,11 @@ def test_tampered_effect_is_not_replayed(ledger):
     assert lg.get(e["id"])["verified"] is False
     with pytest.raises(IntegrityError):
         lg.intent(sb, "pay", key="k", args={"amount": 5})
+    e2 = lg.intent(sb, "other", key="k", args={})["effect"]
+    st._db.execute("UPDATE effects SET op='forged' WHERE id=?", (e2["id"],))
+    with pytest.raises(IntegrityError):
+        lg.finish(e2["id"], "committed")               # not re-signed, which would launder it
+    assert lg.mark_in_flight_unknown() == []           # a restart skips it instead of failing
 
 
 def test_budgets(ledger):
@@ -214,9 +219,11 @@ def test_unmanaged_effects_are_recorded_but_never_matched(ledger):
     assert [r["id"] for r in rows] == ids
     with pytest.raises(FailedPrecondition):
         lg.finish(ids[1], "committed")
+    pending = lg.intent(sb, "pay", key="k", args={})["effect"]["id"]
     rep = lg.rollback_report("s1", "s1", [("s1-3", 1), ("s1-2", 1)])
-    assert [e["id"] for e in rep["committed_after"]] == [ids[0]]
-    assert [e["id"] for e in rep["unknown"]] == [ids[1]]
+    assert [e["id"] for e in rep["committed_after"]] == ids   # seen, or possibly unseen: not undone
+    assert [e["id"] for e in rep["unknown"]] == [pending]     # only managed effects get reconciled
+    assert lg.rollback_report("s1", "s1", [("s1-3", 1)])["committed_after"] == []
 
 
 # --- the API routes, in process (real Ledger and Daemon methods, no runtime) ------------------
