@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+import logging
 import sqlite3
 from typing import Annotated, Any
 
@@ -275,6 +276,9 @@ def make_app(daemon: Daemon, *, token: str | None = None, tokens: dict[str, str]
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        if e.status_code == 400:  # a body FastAPI could not parse (not UTF-8 JSON): malformed input
+            return _err(422, "invalid_argument", f"{e.detail}: the body is not JSON in UTF-8",
+                        "send a JSON object encoded as UTF-8")
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
         return _err(e.status_code, code, str(e.detail))
 
@@ -285,6 +289,7 @@ def make_app(daemon: Daemon, *, token: str | None = None, tokens: dict[str, str]
     @app.exception_handler(OSError)
     @app.exception_handler(sqlite3.Error)
     async def storage_error(request: Request, e: Exception) -> JSONResponse:
+        logging.getLogger("crabd").warning("%s %s failed: %s", request.method, request.url.path, e, exc_info=e)
         if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "disk is full" in str(e):
             return _err(507, "disk_full", f"crabd's state file system is full: {e}",
                         "free space in the state directory: delete sandboxes or checkpoints that hold big "
