@@ -602,6 +602,12 @@ def bench_stall(ctx: typer.Context) -> None:
     _bench("stall.py", ctx.args)
 
 
+@bench_app.command("effects", context_settings=_BENCH_CTX)
+def bench_effects(ctx: typer.Context) -> None:
+    """Effects ledger: duplicate external effects under crash + rollback, with and without it (bench/effects.py; --quick, --json)."""
+    _bench("effects.py", ctx.args)
+
+
 def main() -> None:
     app()
 
