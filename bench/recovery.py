@@ -1,29 +1,47 @@
 #!/usr/bin/env python3
-"""Recovery benchmark: agent traces, a crash, and how each method recovers.
+"""Recovery benchmark: agent traces, injected faults, and how each method recovers.
 
-    python bench/recovery.py [--quick] [--traces DIR] [--methods chat-only,replay,crabd]
-                             [--time-scale 0.05] [--json] [--out DIR]
+    python bench/recovery.py [--quick] [--traces DIR] [--methods chat-only,replay,full,crabd-fs,crabd]
+                             [--faults boundary,mid-turn,daemon|none] [--time-scale 0.05]
+                             [--json] [--out DIR]
+    python bench/recovery.py --scale 1,4,16,32 [--scale-trace NAME] [--json] [--out DIR]
     (or: crabd bench recovery ...)
 
 For every trace (bench/traces/*.json, format in README.md "Traces"):
-1. a fault-free run through a crabd daemon is the reference: its checks and
-   the digests of its state paths are what a correct recovery must reach;
-   the same trace run on a bare runtime sandbox (no daemon, no checkpoints)
-   is the baseline for crabd's time overhead;
-2. for each fault point (quick: the middle turn boundary; full: every one)
-   and each method, the trace runs to the fault, every process of the
-   sandbox is killed (as an OOM kill would), the method recovers, and the
-   trace continues; correct = checks pass and every state digest equals
-   the reference's.
+1. a fault-free run on a bare runtime sandbox (no daemon, no checkpoints) is
+   the reference: its checks and the digests of its state paths are what a
+   correct recovery must reach, and its time is the baseline of every
+   method's overhead;
+2. per method, a fault-free run measures checkpoint bytes and latencies,
+   stalls, SKIP turns and the end-to-end time;
+3. per fault point and method, the trace runs to the fault, the fault hits,
+   the method recovers, the trace goes on; correct = checks pass and every
+   state digest equals the reference's.
 
-Methods: `chat-only` (a fresh sandbox from the image, the task's files and
-setup, then the next turn: what a framework that saved only the transcript
-does), `replay` (the same, then every earlier turn re-run), `crabd` (the
-daemon rolls the sandbox back on its own; the trace continues in it).
+Methods: `chat-only` (a fresh sandbox from the image with the task's files and
+setup, then the next turn: a framework that saved only the transcript),
+`replay` (the same, then every earlier turn re-run, without LLM waits),
+`full` (`crabd serve --capture full`: a CRIU dump and a copy of every changed
+file at every turn), `crabd-fs` (`--capture fs-only`: never process images),
+`crabd` (`--capture auto`). The crabd methods recover on their own: the
+agent waits for the daemon's `sandbox.rolled_back` event and goes on after
+the turn of the checkpoint it restored (re-issuing later commands, as an
+agent that keeps its transcript would; an unknown turn means the interrupted
+turn's own partial checkpoint, and the agent retries that turn).
 
-The crash comes during the LLM wait after turn k, once turn k's checkpoint is
-durable. Not measured yet (see README.md): crashes in the middle of a turn,
-kill -9 of crabd itself, the `full` and `crabd-fs` methods, and the scale run.
+Faults (`--faults`):
+- `boundary`: kill -9 of every process of the sandbox in the LLM wait after
+  turn k, once turn k's checkpoint is durable;
+- `mid-turn`: the same kill at a seeded random instant inside turn k's
+  command (20-80 % of its fault-free duration); the agent retries turn k;
+- `daemon`: kill -9 of crabd right after turn k's reply, while its
+  checkpoint is being captured, then a restart. chat-only and replay own no
+  daemon: for them the process that owned the sandbox died, so the sandbox
+  is lost, which is the `boundary` case.
+Full mode: every fault at every turn k. `--quick`: at most 3 traces (a fixed
+list), one fault each in rotation; k = the middle turn (boundary), the
+longest command of the middle third (mid-turn), the first turn from the
+middle on whose plan is not SKIP in crabd's run (daemon).
 """
 
 from __future__ import annotations
@@ -31,31 +49,45 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
+import random
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
-from crabd.client import Client  # noqa: E402
-from crabd.errors import FailedPrecondition  # noqa: E402
+from crabd.errors import CrabdError  # noqa: E402
 from crabd.runtime import Runtime  # noqa: E402
-from crabd.testing import cleanup_state_dir  # noqa: E402
+from crabd.testing import CRABD, DaemonHandle, cleanup_state_dir  # noqa: E402
 from crabd.traces import Trace, load_traces  # noqa: E402
 
-DIGEST = r"""
+METHODS = ("chat-only", "replay", "full", "crabd-fs", "crabd")
+DAEMON_METHODS = ("crabd", "crabd-fs", "full")   # also the order they run in: crabd picks the daemon k
+CAPTURE = {"full": "full", "crabd-fs": "fs-only", "crabd": "auto"}
+FAULTS = ("boundary", "mid-turn", "daemon")
+QUICK_TRACES = ("calc-repair", "dev-server", "git-refactor")
+
+# The digest of the state paths: contents, modes, symlink targets and
+# directories; `.git` and `__pycache__` left out (object packing and bytecode
+# timestamps differ between equal trees). python3 when the image has it, else
+# the same walk in POSIX sh (busybox). Both are run the same way for the
+# reference and the faulted run of a trace.
+DIGEST_PY = r"""
 import hashlib, os, sys
 h = hashlib.sha256()
 for top in sys.argv[1:]:
     for d, dirs, files in os.walk(top):
         dirs[:] = sorted(x for x in dirs if x not in ('.git', '__pycache__'))
+        h.update(b'D' + d.encode() + oct(os.lstat(d).st_mode).encode())
         for n in sorted(files) + [x for x in dirs if os.path.islink(os.path.join(d, x))]:
             p = os.path.join(d, n)
             st = os.lstat(p)
@@ -66,7 +98,19 @@ for top in sys.argv[1:]:
                 h.update(open(p, 'rb').read())
 print(h.hexdigest())
 """
-IMAGE_SOURCES = [Path("/var/lib/crabd-test/images"), Path("/var/lib/crabd-demo/images"), Path("/var/lib/crabd/images")]
+DIGEST_SH = r"""
+if command -v python3 >/dev/null 2>&1; then exec python3 -c "$CRABD_DIGEST_PY" "$@"; fi
+for top in "$@"; do
+  [ -e "$top" ] && find "$top" \( -name .git -o -name __pycache__ \) -prune -o -print
+done | LC_ALL=C sort | while IFS= read -r p; do
+  if [ -L "$p" ]; then echo "L $p $(readlink "$p")"
+  elif [ -d "$p" ]; then echo "D $p $(stat -c %a "$p")"
+  elif [ -f "$p" ]; then echo "F $p $(stat -c %a "$p") $(sha256sum < "$p" | cut -c1-64)"
+  else echo "O $p $(stat -c %f "$p")"; fi
+done | sha256sum | cut -c1-64
+"""
+
+Verdict = tuple[list[tuple[int, str]], str]
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -77,25 +121,31 @@ def pct(xs: list[float], q: float) -> float | None:
 
 
 @dataclass
-class Sandbox:
-    """One way to run commands: through the daemon, or on a bare runtime."""
+class RunRecord:
+    """One trace run: fault-free (fault None) or with one fault at turn k."""
 
-    run: object      # callable(cmd, timeout) -> dict with exit_code, stdout, stderr (+ daemon fields)
-    sid: str
-    kill: object     # callable(): kill every process of the sandbox
-    destroy: object
-
-
-@dataclass
-class Stats:
-    runs: int = 0
-    correct: int = 0
+    trace: str
+    method: str
+    fault: str | None = None
+    k: int | None = None
+    correct: bool | None = None
+    seconds: float = 0.0             # the turns, LLM waits included (not setup, not the checks)
     bytes: int = 0
     ckpt_ms: list[float] = field(default_factory=list)
     stall_ms: list[float] = field(default_factory=list)
-    rollback_ms: list[float] = field(default_factory=list)
     plans: list[str] = field(default_factory=list)
-    failures: list[str] = field(default_factory=list)
+    durations: list[float] = field(default_factory=list)   # per turn, s (the reference run's are the mid-turn clock)
+    rollback_ms: float | None = None
+    note: str = ""
+
+
+@dataclass
+class Box:
+    """One sandbox, through the daemon or on the bare runtime."""
+
+    sid: str
+    run: Callable[..., dict[str, Any]]   # (cmd, env=None) -> exec reply; raises CrabdError
+    destroy: Callable[[], None]
 
 
 class Bench:
@@ -103,240 +153,472 @@ class Bench:
         self.a = a
         self.state = Path(tempfile.mkdtemp(prefix="crabd-bench-rec-", dir="/var/tmp"))
         self.rt = Runtime(self.state)
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.c: Client | None = None
+        self.dh: DaemonHandle | None = None
+        self.k_daemon: dict[str, int] = {}
+        self.capture_flag = "--capture" in subprocess.run([CRABD, "serve", "--help"], capture_output=True,
+                                                          text=True, timeout=60).stdout
 
-    # -- setup ----------------------------------------------------------------------------
+    # -- setup ------------------------------------------------------------------------------------
     def prepare(self, traces: list[Trace]) -> None:
+        sources = [Path(os.environ.get("CRABD_TEST_STATE_DIR", "/var/lib/crabd-test")),
+                   Path("/var/lib/crabd-demo"), Path("/var/lib/crabd")]
         for image in sorted({t.image for t in traces}):
-            src = next((d / image / "rootfs" for d in IMAGE_SOURCES if (d / image / "rootfs").is_dir()), None)
-            if src is not None:
-                self.rt.images.import_path(str(src), image)
-            elif image == "debian-py":
+            for d in sources:
+                if (d / "images").is_dir() and Runtime(d).images.exists(image):
+                    self.rt.images.import_path(Runtime(d).images.get(image).path, image)
+                    break
+            else:
+                if image != "debian-py":
+                    raise SystemExit(f"image {image!r} not found in {', '.join(map(str, sources))}: import it "
+                                     f"there (crabd image import) or use traces on debian-py")
                 print("building debian-py with debootstrap (once, ~1 min) ...", file=sys.stderr)
                 self.rt.images.build_debian(image)
-            else:
-                raise SystemExit(f"image {image!r} not found under {', '.join(map(str, IMAGE_SOURCES))}")
-        crabd = str(Path(sys.executable).parent / "crabd")
-        sock = self.state / "api.sock"
-        self.proc = subprocess.Popen([crabd, "serve", "--state-dir", str(self.state), "--socket", str(sock)],
-                                     stdout=open(self.state / "daemon.log", "ab"), stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        deadline = time.monotonic() + 90
-        while True:
+
+    def serve(self, args: list[str]) -> None:
+        self.stop_daemon()
+        # --inspector proc: the /proc inspector, no BPF compile at each (re)start
+        env = {"CRABD_INSPECTOR": "proc"} if self.a.inspector == "proc" else None
+        self.dh = DaemonHandle(self.state, args=args, env=env)
+        self.dh.start()
+
+    def serve_method(self, method: str) -> None:
+        if not self.capture_flag:
+            if method != "crabd":
+                raise SystemExit(f"method {method!r} needs `crabd serve --capture {CAPTURE[method]}`, which this "
+                                 f"crabd does not have yet (issue 7); run with --methods chat-only,replay,crabd")
+            self.serve([])
+        else:
+            self.serve(["--capture", CAPTURE[method]])
+
+    def stop_daemon(self) -> None:
+        if self.dh is not None:
             try:
-                Client(sock).health()
-                break
-            except FailedPrecondition:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise SystemExit(f"crabd serve did not start; see {self.state / 'daemon.log'}")
-                time.sleep(0.2)
-        self.c = Client(sock)
+                c = self.dh.client()
+                for sb in c.sandboxes():
+                    c.delete_sandbox(sb["id"])
+            except Exception:
+                pass
+            self.dh.stop()
+            self.dh = None
 
     def close(self) -> None:
-        if self.proc is not None:
-            self.proc.send_signal(signal.SIGTERM)
+        self.stop_daemon()
+        for sb in self.rt.list():
             try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+                self.rt.destroy(sb.id)
+            except Exception:
+                pass
         cleanup_state_dir(self.state)
 
-    # -- sandboxes ---------------------------------------------------------------------------
-    def daemon_sandbox(self, image: str) -> Sandbox:
-        assert self.c is not None
-        c = self.c
-        sid = c.create_sandbox(image)["id"]
-        return Sandbox(lambda cmd, t=300: c.exec(sid, cmd, timeout=t), sid,
-                       lambda: os.kill(c.sandbox(sid)["pid"], signal.SIGKILL), lambda: c.delete_sandbox(sid))
+    # -- sandboxes ----------------------------------------------------------------------------------
+    def daemon_box(self, image: str) -> Box:
+        assert self.dh is not None
+        sid = self.dh.client().create_sandbox(image)["id"]
 
-    def bare_sandbox(self, image: str) -> Sandbox:
+        def run(cmd: str | list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
+            assert self.dh is not None
+            return self.dh.client().exec(sid, cmd, timeout=600, env=env)
+
+        def destroy() -> None:
+            assert self.dh is not None
+            self.dh.client().delete_sandbox(sid)
+        return Box(sid, run, destroy)
+
+    def bare_box(self, image: str) -> Box:
         sb = self.rt.create(image)
-        return Sandbox(lambda cmd, t=300: self.rt.exec(sb.id, cmd, timeout=t).to_dict(), sb.id,
-                       lambda: os.kill(self.rt.get(sb.id).pid or 0, signal.SIGKILL), lambda: self.rt.destroy(sb.id))
+        return Box(sb.id, lambda cmd, env=None: self.rt.exec(sb.id, cmd, env=env, timeout=600).to_dict(),
+                   lambda: self.rt.destroy(sb.id))
 
-    # -- one trace run ------------------------------------------------------------------------
-    def start(self, t: Trace, sb: Sandbox) -> None:
+    def kill_all(self, sid: str) -> None:
+        """kill -9 every process of the sandbox, as the OOM killer or a crash would."""
+        for pid in self.rt.pids(sid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    # -- the agent ----------------------------------------------------------------------------------
+    def start(self, t: Trace, box: Box) -> list[dict[str, Any]]:
+        replies = []
         for path, content in t.files.items():
             d = os.path.dirname(path)
-            r = sb.run(f"mkdir -p '{d}' && cat > '{path}' <<'CRABD_EOF'\n{content}CRABD_EOF")
+            r = box.run(f"mkdir -p '{d}' && cat > '{path}' <<'CRABD_EOF'\n{content}CRABD_EOF")
             if r["exit_code"] != 0:
                 raise RuntimeError(f"{t.name}: writing {path}: {r['stderr']}")
+            replies.append(r)
         for cmd in t.setup:
-            r = sb.run(cmd)
+            r = box.run(cmd)
             if r["exit_code"] != 0:
                 raise RuntimeError(f"{t.name}: setup {cmd!r}: {r['stderr']}")
+            replies.append(r)
+        return replies
 
-    def turns(self, t: Trace, sb: Sandbox, lo: int, hi: int, st: Stats | None) -> None:
-        for turn in t.turns[lo:hi]:
-            r = sb.run(turn.run)
-            if st is not None and "plan" in r:
-                st.stall_ms.append(r["stall_ms"])
-                st.plans.append(r["plan"])
-            time.sleep(turn.llm_wait_ms / 1000 * self.a.time_scale)
+    def wait(self, t: Trace, i: int) -> None:
+        time.sleep(t.turns[i].llm_wait_ms / 1000 * self.a.time_scale)
 
-    def verdict(self, t: Trace, sb: Sandbox) -> tuple[list[tuple[int, str]], str]:
+    def verdict(self, t: Trace, box: Box) -> Verdict:
         outs = []
         for ch in t.check:
-            r = sb.run(ch.run)
-            outs.append((r["exit_code"], r["stdout"]))
-        r = sb.run(["python3", "-c", DIGEST, *t.state_paths])
+            try:
+                r = box.run(ch.run)
+                outs.append((r["exit_code"], r["stdout"]))
+            except CrabdError as e:
+                outs.append((-1, str(e)))
+        r = box.run(["/bin/sh", "-c", DIGEST_SH, "digest", *t.state_paths], env={"CRABD_DIGEST_PY": DIGEST_PY})
         return outs, r["stdout"].strip()
 
-    def correct(self, t: Trace, got: tuple[list[tuple[int, str]], str], ref: tuple[list[tuple[int, str]], str]) -> bool:
+    @staticmethod
+    def correct(t: Trace, got: Verdict, ref: Verdict) -> bool:
         checks, digest = got
         for ch, (code, out) in zip(t.check, checks):
             if code != ch.expect_exit or (ch.expect_stdout is not None and out != ch.expect_stdout):
                 return False
         return digest == ref[1]
 
-    def wait_captured(self, sid: str) -> list[dict]:
-        assert self.c is not None
-        deadline = time.monotonic() + 120
+    def mid_turn_timer(self, t: Trace, k: int, ref: RunRecord, sid: str) -> threading.Timer:
+        rng = random.Random(f"{t.name}:mid-turn:{k}")
+        delay = rng.uniform(0.2, 0.8) * ref.durations[k - 1]
+        return threading.Timer(delay, self.kill_all, (sid,))
+
+    # -- bare runtime: the reference, chat-only, replay --------------------------------------------------
+    def run_bare(self, t: Trace, method: str, fault: str | None = None, k: int | None = None,
+                 ref: RunRecord | None = None) -> tuple[RunRecord, Verdict]:
+        rec = RunRecord(t.name, method, fault, k)
+        box = self.bare_box(t.image)
+        try:
+            self.start(t, box)
+            n, pos = len(t.turns), 0
+            t0 = time.monotonic()
+            while pos < n:
+                if fault == "mid-turn" and pos == (k or 0) - 1 and rec.rollback_ms is None:
+                    assert ref is not None
+                    timer = self.mid_turn_timer(t, k or 0, ref, box.sid)
+                    timer.start()
+                    try:
+                        box.run(t.turns[pos].run)
+                    except CrabdError:
+                        pass
+                    timer.join()
+                    box, rec.rollback_ms = self.fresh(t, box, method, pos)
+                    continue  # the agent retries turn k
+                t1 = time.monotonic()
+                box.run(t.turns[pos].run)
+                rec.durations.append(time.monotonic() - t1)
+                pos += 1
+                if fault in ("boundary", "daemon") and pos == k and rec.rollback_ms is None:
+                    self.kill_all(box.sid)
+                    box, rec.rollback_ms = self.fresh(t, box, method, pos)
+                self.wait(t, pos - 1)
+            rec.seconds = time.monotonic() - t0
+            return rec, self.verdict(t, box)
+        finally:
+            box.destroy()
+
+    def fresh(self, t: Trace, dead: Box, method: str, done: int) -> tuple[Box, float]:
+        """What a framework without crabd has: a new sandbox, the task, and (replay) the transcript."""
+        t0 = time.monotonic()
+        dead.destroy()
+        box = self.bare_box(t.image)
+        self.start(t, box)
+        if method == "replay":
+            for turn in t.turns[:done]:
+                box.run(turn.run)   # commands from the transcript: no LLM waits
+        return box, (time.monotonic() - t0) * 1000
+
+    # -- through crabd ----------------------------------------------------------------------------------
+    def last_seq(self, sid: str) -> int:
+        assert self.dh is not None
+        c, seq = self.dh.client(), 0
         while True:
-            cks = self.c.checkpoints(sid)
-            if all(k["state"] == "committed" for k in cks) or time.monotonic() > deadline:
+            evs = c.events(since=seq, sandbox=sid)
+            if not evs:
+                return seq
+            seq = evs[-1]["seq"]
+
+    def await_rollback(self, t: Trace, sid: str, since: int, timeout: float = 180) -> int | None:
+        """The turn of the checkpoint crabd rolled the sandbox back to (None: no rollback yet)."""
+        assert self.dh is not None
+        c = self.dh.client()
+        deadline = time.monotonic() + timeout
+        while True:
+            for e in c.events(since=since, sandbox=sid):
+                since = e["seq"]
+                if e["kind"] == "sandbox.rolled_back":
+                    return int(c.checkpoint(e["data"]["checkpoint"])["turn"])
+                if e["kind"] == "sandbox.recovery_failed":
+                    raise RuntimeError(f"{t.name}: crabd could not recover {sid}: {e['data'].get('error')}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{t.name}: crabd did not roll {sid} back within {timeout:.0f} s")
+            time.sleep(0.01)
+
+    def wait_durable(self, sid: str, cid: str | None = None, timeout: float = 180,
+                     sized: bool = False) -> list[dict[str, Any]]:
+        """Wait until checkpoint `cid` (None: every one) is no longer pending;
+        `sized`: and every committed one has its bytes counted (the daemon
+        sizes checkpoints as idle work after the commit)."""
+        assert self.dh is not None
+        c = self.dh.client()
+        deadline = time.monotonic() + timeout
+        while True:
+            cks = c.checkpoints(sid, all=True)
+            pending = [x for x in cks if x["state"] == "pending" and (cid is None or x["id"] == cid)]
+            if sized:
+                pending += [x for x in cks if x["state"] == "committed" and x["seq"] > 0 and x["plan"] != "SKIP"
+                            and not x["bytes"] and "size" not in (x.get("durations") or {})]
+            if not pending:
                 return cks
-            time.sleep(0.05)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"checkpoints of {sid} still pending after {timeout:.0f} s: "
+                                   f"{[x['id'] for x in pending]}")
+            time.sleep(0.02)
 
-    # -- methods ---------------------------------------------------------------------------------
-    def run_crabd(self, t: Trace, k: int | None, st: Stats) -> tuple[list[tuple[int, str]], str]:
-        assert self.c is not None
-        sb = self.daemon_sandbox(t.image)
+    def run_daemon(self, t: Trace, method: str, fault: str | None = None, k: int | None = None,
+                   ref: RunRecord | None = None, quick: bool = False) -> tuple[RunRecord, Verdict]:
+        assert self.dh is not None
+        rec = RunRecord(t.name, method, fault, k)
+        box = self.daemon_box(t.image)
         try:
-            self.start(t, sb)
-            n = len(t.turns)
-            self.turns(t, sb, 0, k if k is not None else n, st)
-            if k is not None:
-                self.wait_captured(sb.sid)  # the crash comes in the LLM wait, after the capture
-                since = max([e["seq"] for e in self.c.events()] or [0])
-                t0 = time.monotonic()
-                sb.kill()
-                while not any(e["kind"] == "sandbox.rolled_back" for e in self.c.events(since=since, sandbox=sb.sid)):
-                    if time.monotonic() - t0 > 120:
-                        raise RuntimeError(f"{t.name}: crabd did not recover {sb.sid}")
-                    time.sleep(0.01)
-                st.rollback_ms.append((time.monotonic() - t0) * 1000)
-                self.turns(t, sb, k, n, st)
-            cks = self.wait_captured(sb.sid)
-            st.bytes += sum(c["bytes"] for c in cks)
-            st.ckpt_ms += [c["durations"]["total"] * 1000 for c in cks if c["durations"].get("total")]
-            return self.verdict(t, sb)
-        finally:
-            sb.destroy()
-
-    def run_fresh(self, t: Trace, k: int, st: Stats, replay: bool) -> tuple[list[tuple[int, str]], str]:
-        first = self.daemon_sandbox(t.image)
-        try:
-            self.start(t, first)
-            self.turns(t, first, 0, k, None)
+            pos_of = {0: 0}    # the daemon's turn number -> trace turns done after it
+            for r in self.start(t, box):
+                pos_of[r["turn"]] = 0
+            n, pos, since_pre = len(t.turns), 0, 0
             t0 = time.monotonic()
-            first.kill()
+            while pos < n:
+                if fault == "mid-turn" and pos == (k or 0) - 1 and rec.rollback_ms is None:
+                    assert ref is not None
+                    since = self.last_seq(box.sid)
+                    timer = self.mid_turn_timer(t, k or 0, ref, box.sid)
+                    timer.start()
+                    tk = time.monotonic()
+                    try:
+                        r = box.run(t.turns[pos].run)
+                        pos_of[r["turn"]] = pos + 1
+                        rec.note = "the kill came after the command ended"
+                    except CrabdError:
+                        pass
+                    timer.join()
+                    turn = self.await_rollback(t, box.sid, since)
+                    rec.rollback_ms = (time.monotonic() - tk) * 1000
+                    # A turn the agent never saw end: the interrupted turn's own
+                    # checkpoint; the agent retries that turn on top of it.
+                    pos = pos_of.get(turn, pos) if turn is not None else pos
+                    continue
+                if fault == "daemon" and rec.rollback_ms is None:
+                    # taken before the turn: after its reply, the kill must not wait on an API call
+                    since_pre = self.last_seq(box.sid)
+                t1 = time.monotonic()
+                r = box.run(t.turns[pos].run)
+                rec.durations.append(time.monotonic() - t1)
+                rec.stall_ms.append(r["stall_ms"])
+                rec.plans.append(r["plan"])
+                pos_of[r["turn"]] = pos + 1
+                pos += 1
+                done = pos - 1
+                if rec.rollback_ms is None and self.fault_here(t, fault, k, pos, r, quick):
+                    rec.k = pos
+                    pos = self.inject(t, box, fault or "", r, pos_of, rec, since_pre)
+                self.wait(t, done)
+            rec.seconds = time.monotonic() - t0
+            cks = self.wait_durable(box.sid, sized=True)
+            for ck in cks:
+                if ck["state"] != "committed":
+                    continue
+                rec.bytes += ck["bytes"] or 0
+                total = (ck.get("durations") or {}).get("total")
+                if ck["plan"] != "SKIP" and total is not None:
+                    rec.ckpt_ms.append(total * 1000)
+            return rec, self.verdict(t, box)
         finally:
-            first.destroy()
-        sb = self.daemon_sandbox(t.image)  # a fresh sandbox from the image: all the framework has
-        try:
-            self.start(t, sb)
-            if replay:
-                self.turns(t, sb, 0, k, None)
-            st.rollback_ms.append((time.monotonic() - t0) * 1000)
-            self.turns(t, sb, k, len(t.turns), None)
-            return self.verdict(t, sb)
-        finally:
-            sb.destroy()
+            try:
+                box.destroy()
+            except CrabdError as e:
+                print(f"destroying {box.sid}: {e}", file=sys.stderr)
 
-    def baseline_seconds(self, t: Trace) -> float:
-        sb = self.bare_sandbox(t.image)
-        try:
-            self.start(t, sb)
-            t0 = time.monotonic()
-            self.turns(t, sb, 0, len(t.turns), None)
-            return time.monotonic() - t0
-        finally:
-            sb.destroy()
+    def fault_here(self, t: Trace, fault: str | None, k: int | None, pos: int, r: dict[str, Any],
+                   quick: bool) -> bool:
+        if fault not in ("boundary", "daemon"):
+            return False
+        if fault == "daemon" and quick and t.name not in self.k_daemon:
+            # quick: the first turn from the middle on that has something to capture
+            if pos >= len(t.turns) // 2 and (r["plan"] != "SKIP" or pos == len(t.turns) - 1):
+                self.k_daemon[t.name] = pos
+                return True
+            return False
+        if fault == "daemon" and quick:
+            return pos == self.k_daemon[t.name]
+        return pos == k
+
+    def inject(self, t: Trace, box: Box, fault: str, r: dict[str, Any], pos_of: dict[int, int],
+               rec: RunRecord, since_pre: int) -> int:
+        """The fault after turn k (its reply is `r`); returns the trace position to go on from."""
+        assert self.dh is not None
+        pos = pos_of[r["turn"]]
+        if fault == "boundary":
+            self.wait_durable(box.sid, r["checkpoint"])  # the crash comes in the LLM wait, after the capture
+            since = self.last_seq(box.sid)
+            tk = time.monotonic()
+            self.kill_all(box.sid)
+            turn = self.await_rollback(t, box.sid, since)
+            rec.rollback_ms = (time.monotonic() - tk) * 1000
+            return pos_of.get(turn, pos) if turn is not None else pos
+        # daemon: kill -9 crabd while turn k's checkpoint is being captured, restart it
+        since = since_pre
+        tk = time.monotonic()
+        self.dh.kill9()
+        self.dh.start()
+        rec.rollback_ms = (time.monotonic() - tk) * 1000
+        c = self.dh.client()
+        ck = c.checkpoint(r["checkpoint"])
+        rec.note = f"turn {rec.k}'s {r['plan']} checkpoint was {ck['state']} after the restart"
+        rolled = [e for e in c.events(since=since, sandbox=box.sid) if e["kind"] == "sandbox.rolled_back"]
+        if rolled:
+            turn = int(c.checkpoint(rolled[-1]["data"]["checkpoint"])["turn"])
+            return pos_of.get(turn, pos)
+        return pos
+
+
+# -- the runs -----------------------------------------------------------------------------------------------
+def plan_runs(traces: list[Trace], faults: list[str], quick: bool) -> list[tuple[Trace, str, int | None]]:
+    """(trace, fault, k) of every fault run; k None = chosen online (quick daemon)."""
+    out: list[tuple[Trace, str, int | None]] = []
+    for i, t in enumerate(traces):
+        n = len(t.turns)
+        if quick:
+            if faults:
+                f = faults[i % len(faults)]
+                out.append((t, f, None if f == "daemon" else n // 2 if f == "boundary" else -1))
+            continue
+        for f in faults:
+            ks = range(1, n + 1) if f == "mid-turn" else range(1, n)
+            out += [(t, f, k) for k in ks]
+    return out
+
+
+def longest_middle_turn(ref: RunRecord) -> int:
+    n = len(ref.durations)
+    lo, hi = n // 3, max(n // 3 + 1, (2 * n) // 3)
+    return max(range(lo, hi), key=lambda i: (ref.durations[i], -i)) + 1
+
+
+def pick_traces(traces: list[Trace], quick: bool) -> list[Trace]:
+    if not quick:
+        return traces
+    named = [t for t in traces if t.name in QUICK_TRACES]
+    return named if named else traces[:3]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="one fault point per trace (the middle turn boundary)")
+    ap.add_argument("--quick", action="store_true", help="at most 3 traces, one fault each in rotation")
     ap.add_argument("--traces", default=str(ROOT / "bench" / "traces"))
-    ap.add_argument("--methods", default="chat-only,replay,crabd")
+    ap.add_argument("--trace", action="append", default=[], help="only these traces (by name; repeatable)")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--faults", default=",".join(FAULTS), help="boundary,mid-turn,daemon or none")
     ap.add_argument("--time-scale", type=float, default=0.05, help="multiplier of the traces' LLM waits")
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--out", default=None, help="directory for report.md and results.json")
+    ap.add_argument("--scale", default=None, help="run the scale benchmark instead: numbers of concurrent sandboxes")
+    ap.add_argument("--scale-trace", default="calc-repair", help="the trace every sandbox runs in --scale")
+    ap.add_argument("--inspector", choices=("bpf", "proc"), default="bpf",
+                    help="the daemon's turn inspector (proc: no BPF compile at each daemon start; for tests)")
+    ap.add_argument("--json", action="store_true", help="print the results as one JSON line")
+    ap.add_argument("--out", default=None, help="directory for results.json, report.md and PNG plots")
     a = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("the recovery benchmark needs root (it runs crabd and runc sandboxes)")
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
-    unknown = set(methods) - {"chat-only", "replay", "crabd"}
+    unknown = set(methods) - set(METHODS)
     if unknown:
-        raise SystemExit(f"unknown methods {sorted(unknown)}; known: chat-only, replay, crabd")
+        raise SystemExit(f"unknown methods {sorted(unknown)}; known: {', '.join(METHODS)}")
+    faults = [] if a.faults.strip() == "none" else [f.strip() for f in a.faults.split(",") if f.strip()]
+    if set(faults) - set(FAULTS):
+        raise SystemExit(f"unknown faults {sorted(set(faults) - set(FAULTS))}; known: {', '.join(FAULTS)} or none")
     traces = load_traces(a.traces)
-    b = Bench(a)
-    stats = {m: Stats() for m in methods}
-    overhead: list[float] = []
+    if a.trace:
+        missing = set(a.trace) - {t.name for t in traces}
+        if missing:
+            raise SystemExit(f"no traces named {sorted(missing)} in {a.traces}")
+        traces = [t for t in traces if t.name in a.trace]
+    from recovery_report import progress, summarize, write_out
     t_start = time.monotonic()
-    try:
-        b.prepare(traces)
-        for t in traces:
-            ref_stats = Stats()
-            t0 = time.monotonic()
-            ref = b.run_crabd(t, None, ref_stats)
-            crabd_s = time.monotonic() - t0
-            if not b.correct(t, ref, ref):
-                raise SystemExit(f"trace {t.name}: its checks fail even without a fault: {ref[0]}")
-            base_s = b.baseline_seconds(t)
-            overhead.append((crabd_s - base_s) / base_s * 100)
-            points = [len(t.turns) // 2] if a.quick else list(range(1, len(t.turns)))
-            for k in points:
-                for m in methods:
-                    st = stats[m]
-                    if m == "crabd":
-                        got = b.run_crabd(t, k, st)
-                    else:
-                        got = b.run_fresh(t, k, st, replay=(m == "replay"))
-                    st.runs += 1
-                    ok = b.correct(t, got, ref)
-                    st.correct += ok
-                    if not ok:
-                        st.failures.append(f"{t.name}@{k}")
-                    if not a.json:
-                        print(f"{t.name:16} crash after turn {k:2}  {m:10} {'correct' if ok else 'WRONG'}",
-                              file=sys.stderr, flush=True)
-    finally:
-        b.close()
-    result: dict = {"methods": {}, "traces": [t.name for t in traces], "quick": a.quick,
-                    "time_scale": a.time_scale, "seconds": round(time.monotonic() - t_start, 1)}
-    for m, st in stats.items():
-        result["methods"][m] = {
-            "runs": st.runs,
-            "correct_pct": round(100 * st.correct / st.runs, 1) if st.runs else None,
-            "bytes": st.bytes,
-            "bytes_vs_full_pct": None,  # the `full` method is not implemented yet
-            "overhead_pct": round(statistics.median(overhead), 2) if m == "crabd" and overhead else None,
-            "ckpt_ms": {"p50": pct(st.ckpt_ms, 0.5), "p99": pct(st.ckpt_ms, 0.99)},
-            "stall_ms": {"p50": pct(st.stall_ms, 0.5), "p99": pct(st.stall_ms, 0.99)},
-            "rollback_ms": {"p50": pct(st.rollback_ms, 0.5), "p99": pct(st.rollback_ms, 0.99)},
-            "skip_fraction": round(st.plans.count("SKIP") / len(st.plans), 3) if st.plans else None,
-            "wrong": st.failures,
-        }
-    if a.out:
-        out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(result, indent=2))
-        lines = ["# crabd recovery benchmark", "",
-                 f"`python bench/recovery.py {' '.join(sys.argv[1:])}` — {len(traces)} traces, "
-                 f"{result['seconds']} s", "",
-                 "| method | correct | bytes | overhead | ckpt p50/p99 ms | stall p50/p99 ms | recovery p50/p99 ms | SKIP |",
-                 "|---|---|---|---|---|---|---|---|"]
-        for m, r in result["methods"].items():
-            lines.append(f"| {m} | {r['correct_pct']} % | {r['bytes']} | {r['overhead_pct']} | "
-                         f"{r['ckpt_ms']['p50']}/{r['ckpt_ms']['p99']} | {r['stall_ms']['p50']}/{r['stall_ms']['p99']} | "
-                         f"{r['rollback_ms']['p50']}/{r['rollback_ms']['p99']} | {r['skip_fraction']} |")
-        (out / "report.md").write_text("\n".join(lines) + "\n")
-    print(json.dumps(result, indent=2 if not a.json else None))
+    b = Bench(a)
+    if a.scale:
+        from recovery_scale import run_scale
+        ns = [int(x) for x in a.scale.split(",") if x.strip()]
+        trace = next((t for t in traces if t.name == a.scale_trace), None)
+        if trace is None:
+            raise SystemExit(f"no trace {a.scale_trace!r} in {a.traces}")
+        try:
+            b.prepare([trace])
+            scale = run_scale(b, trace, ns)
+        finally:
+            b.close()
+        result: dict[str, Any] = {"methods": {}, "scale": scale, "scale_trace": trace.name,
+                                  "time_scale": a.time_scale, "seconds": round(time.monotonic() - t_start, 1)}
+        write_out(result, a, sys.argv[1:])
+        return 0
+
+    traces = pick_traces(traces, a.quick)
+    order = [m for m in DAEMON_METHODS if m in methods] + [m for m in methods if m not in DAEMON_METHODS]
+    fault_runs = plan_runs(traces, faults, a.quick)
+    total = len(traces) * (1 + sum(m in DAEMON_METHODS for m in methods)) + len(fault_runs) * len(methods)
+    records: list[RunRecord] = []
+    refs: dict[str, tuple[RunRecord, Verdict]] = {}
+    with progress(total) as bar:
+        def step(rec: RunRecord) -> None:
+            records.append(rec)
+            what = f"{rec.method} {rec.trace}" + (f" {rec.fault}@{rec.k}" if rec.fault else " fault-free")
+            bar.advance(what + ("" if rec.correct is None else " ok" if rec.correct else " WRONG"))
+        try:
+            b.prepare(traces)
+            for t in traces:
+                bar.describe(f"reference {t.name}")
+                rec, v = b.run_bare(t, "reference")
+                rec.correct = b.correct(t, v, v)
+                if not rec.correct:
+                    raise SystemExit(f"trace {t.name}: its checks fail even without a fault: {v[0]}")
+                refs[t.name] = (rec, v)
+                step(rec)
+            for m in order:
+                if m in DAEMON_METHODS:
+                    b.serve_method(m)
+                for t in traces:
+                    ref, v = refs[t.name]
+                    if m in DAEMON_METHODS:
+                        bar.describe(f"{m} {t.name} fault-free")
+                        rec, got = b.run_daemon(t, m)
+                        rec.correct = b.correct(t, got, v)
+                        step(rec)
+                    for (ft, f, k) in fault_runs:
+                        if ft is not t:
+                            continue
+                        if k == -1:
+                            k = longest_middle_turn(ref)
+                        if f == "daemon" and k is None and m not in DAEMON_METHODS:
+                            k = b.k_daemon.get(t.name, len(t.turns) // 2)
+                        bar.describe(f"{m} {t.name} {f}@{k if k is not None else 'auto'}")
+                        if m in DAEMON_METHODS:
+                            rec, got = b.run_daemon(t, m, f, k, ref, quick=a.quick and f == "daemon")
+                        else:
+                            rec, got = b.run_bare(t, m, f, k, ref)
+                        rec.correct = b.correct(t, got, v)
+                        step(rec)
+                if m in DAEMON_METHODS:
+                    b.stop_daemon()
+        finally:
+            b.close()
+    result = summarize(records, methods, faults, traces, a)
+    result["seconds"] = round(time.monotonic() - t_start, 1)
+    write_out(result, a, sys.argv[1:])
     return 0
 
+
+def record_dict(rec: RunRecord) -> dict[str, Any]:
+    d = asdict(rec)
+    d["durations"] = [round(x, 4) for x in rec.durations]
+    d["seconds"] = round(rec.seconds, 3)
+    return d
+
+
+__all__ = ["Bench", "RunRecord", "record_dict", "pct", "statistics"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,82 @@
+"""The recovery benchmark end to end, on tiny busybox traces the test writes:
+bench/recovery.py --quick runs each fault (boundary, mid-turn, daemon: one
+trace each, in rotation) for every method this crabd has, and its JSON has
+the documented shape; crabd recovers correctly and chat-only does not."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _trace(name: str, extra: str) -> dict:
+    # Every turn leaves state a fresh sandbox would not have; turn 3 runs
+    # ~0.6 s (the mid-turn kill lands inside it) and is not idempotent.
+    return {
+        "name": name, "image": "busybox", "description": "tiny test trace",
+        "files": {"/work/a.txt": "one\n"},
+        "turns": [
+            {"run": "echo two >> /work/a.txt", "llm_wait_ms": 200},
+            {"run": f"mkdir -p /work/d && echo {extra} > /work/d/x", "llm_wait_ms": 200},
+            {"run": "for i in 1 2 3 4 5; do echo $i >> /work/log; sleep 0.12; done", "llm_wait_ms": 200},
+            {"run": "ls /work", "llm_wait_ms": 200},
+            {"run": "mv /work/d /work/e && ln -s e/x /work/link && chmod 600 /work/e/x", "llm_wait_ms": 200},
+        ],
+        "check": [{"run": "cat /work/a.txt; wc -l < /work/log", "expect_exit": 0, "expect_stdout": "one\ntwo\n5\n"}],
+        "state_paths": ["/work"],
+    }
+
+
+def write_traces(d: Path) -> None:
+    d.mkdir(parents=True, exist_ok=True)
+    for name in ("bb-a", "bb-b", "bb-c"):
+        (d / f"{name}.json").write_text(json.dumps(_trace(name, name)))
+
+
+def _methods() -> str:
+    # `full` is left out to keep this test cheap (a CRIU dump every turn
+    # doubles its time); it is the same code path as crabd-fs with another
+    # --capture flag, and tests/integration/test_capture_modes.py covers it.
+    crabd = str(Path(sys.executable).parent / "crabd")
+    helptext = subprocess.run([crabd, "serve", "--help"], capture_output=True, text=True, timeout=60).stdout
+    if "--capture" in helptext:
+        return "chat-only,replay,crabd-fs,crabd"
+    return "chat-only,replay,crabd"
+
+
+def test_recovery_bench_quick_on_busybox(tmp_path, busybox_image):
+    traces = tmp_path / "traces"
+    write_traces(traces)
+    methods = _methods()
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "recovery.py"), "--quick", "--traces", str(traces),
+                        "--methods", methods, "--faults", "boundary,mid-turn,daemon", "--time-scale", "0.05",
+                        "--inspector", "proc", "--json", "--out", str(out)],
+                       capture_output=True, text=True, timeout=400, env={**os.environ})
+    assert p.returncode == 0, p.stderr[-4000:]
+    res = json.loads(p.stdout)
+    assert set(res["methods"]) == set(methods.split(","))
+    for m, r in res["methods"].items():
+        for key in ("correct_pct", "bytes", "bytes_vs_full_pct", "overhead_pct", "skip_fraction"):
+            assert key in r, (m, key)
+        for key in ("ckpt_ms", "stall_ms", "rollback_ms"):
+            assert set(r[key]) >= {"p50", "p99"}, (m, key)
+        assert r["runs"] == 3, (m, r)
+        assert set(r["correct_by_fault"]) == {"boundary", "mid-turn", "daemon"}
+    crabd = res["methods"]["crabd"]
+    assert crabd["correct_pct"] == 100.0, (crabd["wrong"], p.stderr[-3000:])
+    assert crabd["fault_free_correct"] is True
+    assert crabd["bytes"] > 0 and crabd["ckpt_ms"]["p50"] is not None
+    assert crabd["rollback_ms"]["p50"] is not None and crabd["skip_fraction"] is not None
+    assert res["methods"]["chat-only"]["correct_pct"] == 0.0, res["methods"]["chat-only"]["wrong"]
+    assert res["methods"]["replay"]["correct_pct"] == 100.0, res["methods"]["replay"]["wrong"]
+    if "crabd-fs" in res["methods"]:  # these traces keep no state in processes
+        assert res["methods"]["crabd-fs"]["correct_pct"] == 100.0, res["methods"]["crabd-fs"]["wrong"]
+    faults = {(r["method"], r["fault"]) for r in res["runs"] if r["fault"]}
+    assert {("crabd", f) for f in ("boundary", "mid-turn", "daemon")} <= faults
+    assert {"results.json", "report.md", "correct.png", "bytes.png", "latency.png"} <= {x.name for x in out.iterdir()}
