@@ -568,7 +568,8 @@ def bench_cr(ctx: typer.Context) -> None:
 
 @bench_app.command("recovery", context_settings=_BENCH_CTX)
 def bench_recovery(ctx: typer.Context) -> None:
-    """Recovery correctness and cost per method on agent traces (bench/recovery.py; --quick, --json, --out)."""
+    """Recovery correctness and cost per method and fault on agent traces (bench/recovery.py; --quick, --methods,
+    --faults, --scale, --json, --out)."""
     _bench("recovery.py", ctx.args)
 
 
