@@ -52,7 +52,8 @@ an old recorded checkpoint, and time travel to it then fails with the fix.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Generator, Iterator, Mapping, Sequence
+import copy
+from collections.abc import AsyncIterator, Collection, Generator, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from langchain_core.runnables import RunnableConfig
@@ -172,6 +173,18 @@ class CrabdCheckpointSaver(BaseCheckpointSaver[Any]):
 
     def get_next_version(self, current: Any, channel: None) -> Any:
         return self.inner.get_next_version(current, channel)
+
+    def with_allowlist(self, extra_allowlist: Collection[tuple[str, ...]]) -> CrabdCheckpointSaver:
+        # compile() widens the msgpack allowlist with the graph's state types; the
+        # inner saver is the one that deserializes. The clone shares this one's
+        # bindings and pins (shallow copy), so saver.sandbox_for() keeps working.
+        inner = self.inner.with_allowlist(extra_allowlist)
+        if inner is self.inner:
+            return self
+        clone = copy.copy(self)
+        clone.inner = inner
+        clone.serde = inner.serde
+        return clone
 
     def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         return self._drive(self._l_get(config))

@@ -14,6 +14,7 @@ from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.conformance import checkpointer_test, validate
 from langgraph.checkpoint.conformance.report import ProgressCallbacks
 from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
 from langgraph.graph import END, START, StateGraph
 
 from crabd.errors import FailedPrecondition, NotFound
@@ -317,3 +318,13 @@ async def _aiter_first(agen: Any) -> Any:
     async for item in agen:
         yield item
         break
+
+
+def test_with_allowlist_widens_the_inner_saver_and_shares_state() -> None:
+    fake = FakeCrabd()
+    strict = InMemorySaver(serde=JsonPlusSerializer(allowed_msgpack_modules=None))
+    saver = CrabdCheckpointSaver(fake, inner=strict, image="busybox")
+    sid = saver.sandbox_for({"configurable": {"thread_id": "t"}})
+    clone = saver.with_allowlist([("my.module", "MyType")])
+    assert clone is not saver and clone.inner is not saver.inner and clone.serde is clone.inner.serde
+    assert clone.sandbox_for({"configurable": {"thread_id": "t"}}) == sid
