@@ -11,9 +11,10 @@ make it. Two faults per session:
   - crash: at one call, crabd is killed (-9) after the service executed the
     call and before its receipt was recorded; crabd is restarted and the
     agent retries the call (new UUID);
-  - rollback: after the last turn the sandbox is rolled back to turn 1 and
-    the agent re-runs turns 2..T, regenerating every call (new UUIDs, same
-    arguments).
+  - rollback: after the last turn the sandbox is rolled back to turn 1 (to
+    the oldest committed turn when the crash discarded turn 1's checkpoint,
+    whose capture was in flight) and the agent re-runs the later turns,
+    regenerating every call (new UUIDs, same arguments).
 The `ledger` agent goes through intent / commit / reconcile; the `naive`
 agent calls the service on every attempt (same schedule, no ledger). The
 service counts executions per intended operation (a bench-only header, which
@@ -126,7 +127,7 @@ class Session:
         return str(uuid.UUID(int=self.rng.getrandbits(128)))
 
 
-def run_naive(s: Session, svc: Service) -> None:
+def run_naive(s: Session, svc: Service, rerun_from: int) -> None:
     """Same schedule, no ledger: every attempt is executed."""
     def attempt(t: int) -> None:
         op, args = s.calls[t]
@@ -136,11 +137,11 @@ def run_naive(s: Session, svc: Service) -> None:
         attempt(t)
         if t == s.crash_turn:
             attempt(t)  # the receipt was lost with the crash: the agent retries
-    for t in range(2, s.turns + 1):
-        attempt(t)  # after the rollback to turn 1, regenerated calls
+    for t in range(rerun_from, s.turns + 1):
+        attempt(t)  # after the rollback, regenerated calls
 
 
-def run_ledger(s: Session, svc: Service, d: DaemonHandle, lat: dict[str, list[float]]) -> dict[str, int]:
+def run_ledger(s: Session, svc: Service, d: DaemonHandle, lat: dict[str, list[float]]) -> tuple[dict[str, int], int]:
     c = d.client()
     sid = c.create_sandbox("busybox")["id"]
     decisions: dict[str, int] = {}
@@ -174,17 +175,19 @@ def run_ledger(s: Session, svc: Service, d: DaemonHandle, lat: dict[str, list[fl
             lat["commit"].append(time.perf_counter() - t0)
             return
 
-    first = None
     for t in range(1, s.turns + 1):
-        r = c.exec(sid, f"echo turn {t} >> /root/log")
-        first = first or r["checkpoint"]
+        c.exec(sid, f"echo turn {t} >> /root/log")
         call(t)
-    c.rollback(sid, first)
-    for t in range(2, s.turns + 1):
+    # Back to turn 1's state; when the crash discarded that checkpoint (its
+    # capture was in flight), to the oldest committed one.
+    cks = [k for k in c.checkpoints(sid) if k["state"] == "committed"]
+    target = min((k for k in cks if k["turn"] >= 1), key=lambda k: k["seq"], default=cks[0])
+    c.rollback(sid, target["id"])
+    for t in range(target["turn"] + 1, s.turns + 1):
         c.exec(sid, f"echo again {t} >> /root/log")
         call(t)
     c.delete_sandbox(sid)
-    return decisions
+    return decisions, target["turn"] + 1
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -216,8 +219,9 @@ def main() -> int:
         d.start()
         for n in range(sessions):
             s = Session(n, a.turns, rng)
-            run_naive(s, svc)
-            for k, v in run_ledger(s, svc, d, lat).items():
+            got, rerun_from = run_ledger(s, svc, d, lat)
+            run_naive(s, svc, rerun_from)
+            for k, v in got.items():
                 decisions[k] = decisions.get(k, 0) + v
     finally:
         d.stop()
@@ -237,7 +241,7 @@ def main() -> int:
         print(json.dumps(res, indent=2))
     else:
         print(f"{sessions} sessions x {a.turns} turns, {intended} intended external operations "
-              f"(1 crash between call and receipt + 1 rollback to turn 1 per session), {res['duration_s']} s")
+              f"(per session: 1 kill -9 between a call and its receipt, 1 rollback to turn 1), {res['duration_s']} s")
         for agent in ("naive", "ledger"):
             r = res[agent]
             print(f"  {agent:6}  executed {r['executions']:4}  duplicates {r['duplicates']:4}  lost {r['lost']}  "

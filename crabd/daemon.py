@@ -38,7 +38,6 @@ from typing import Any, Sequence
 
 import deltafs
 from deltafs import mount_all, unmount
-from deltafs.metadata import nocow_wal_index
 from deltafs.snapshotter import chaos_point  # CRABD_CHAOS: bench/chaos.py's kill points
 
 from . import config
@@ -93,7 +92,6 @@ class Daemon:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.state_dir, 0o700)
         self.options = options or DaemonOptions()
-        nocow_wal_index(str(self.state_dir / "crabd.db"))
         self._ensure_reserve()
         self.store = Store(self.state_dir)
         from .effects import Ledger
@@ -104,6 +102,8 @@ class Daemon:
         self.runtime = Runtime(self.state_dir, runner=CheckpointableRunner())
         self.images = ImageStore(self.state_dir / "cr")
         self.fs = self._open_fs()
+        self._img_seals: dict[str, dict[str, Any]] = {}  # image snapshot -> its seal, made once per daemon
+        self.store.sealer = self._seal_row
         self.inspector = inspector if inspector is not None else self._open_inspector()
         from .metrics import Metrics
         from .scheduler import Scheduler, SchedulerPolicy
@@ -468,6 +468,98 @@ class Daemon:
             # Still a parent of a fork's snapshot: it goes when they do.
             log.info("keeping snapshot %s: %s", name, e)
 
+    # --- integrity: seals of layers and process images ------------------------------------
+    def _seal_row(self, row: CheckpointRow) -> dict[str, Any] | None:
+        """Seals of a checkpoint being committed (the store calls this): its
+        snapshot's (deltafs.seal) and its process image's manifest digest.
+        What it shares with its parent (a SKIP turn, an FS turn's inherited
+        image, a fork's initial state) keeps the parent's seal: sealed once,
+        when first committed."""
+        from deltafs.seal import seal
+        parent = None
+        if row.parent:
+            try:
+                parent = self.store.get_checkpoint(row.parent)
+            except NotFound:
+                parent = None
+        ps = (parent.seals or {}) if parent is not None else {}
+        out: dict[str, Any] = {}
+        if row.fs_snapshot:
+            if parent is not None and parent.fs_snapshot == row.fs_snapshot and "fs" in ps:
+                out["fs"] = ps["fs"]
+            elif row.fs_snapshot.startswith("img-"):
+                with self._guard:
+                    cached = self._img_seals.get(row.fs_snapshot)
+                if cached is None:
+                    cached = seal(self.fs, row.fs_snapshot)
+                    with self._guard:
+                        cached = self._img_seals.setdefault(row.fs_snapshot, cached)
+                out["fs"] = cached
+            else:
+                out["fs"] = seal(self.fs, row.fs_snapshot)
+        if row.proc_image:
+            if parent is not None and parent.proc_image == row.proc_image and "proc" in ps:
+                out["proc"] = ps["proc"]
+            else:
+                out["proc"] = self.images.manifest(row.proc_image).digest
+        return out or None
+
+    def _verify_checkpoint(self, ck: CheckpointRow, processes: bool = True) -> None:
+        """Refuse a checkpoint whose row, layer(s) or process image changed
+        since its commit (IntegrityError naming it). The row's keyed digest
+        first (it covers the seals); then its snapshot's seal -- on overlay,
+        every ancestor's too, as their layers are the lower layers of its
+        mount; then (`processes`) its process image: the manifest digest
+        against the seal and every chunk against its content key. Nothing
+        of an image is deserialized before this passed. Checkpoints from
+        before seals existed (no `seals`) are checked by digest only."""
+        from deltacr.errors import DeltacrError
+        from deltafs.seal import SealBroken, check_seal
+        from .store import IntegrityError
+        fix = (f"the checkpoint's stored state was modified outside crabd: roll back to or fork another "
+               f"checkpoint (GET /v1/sandboxes/{ck.sandbox_id}/checkpoints), and delete {ck.id}")
+        self.store.verify(ck)
+        line = [ck]
+        if self.fs.driver == "overlay":
+            cid, seen = ck.parent, {ck.id}
+            while cid and cid not in seen:
+                seen.add(cid)
+                try:
+                    c = self.store.get_checkpoint(cid)
+                except NotFound:
+                    break  # retired: its layer is covered no more (README)
+                if c.state == "committed":
+                    try:
+                        self.store.verify(c)
+                    except IntegrityError as e:
+                        raise IntegrityError(f"checkpoint {ck.id}: its ancestor {c.id} is tampered: {e.message}",
+                                             fix=fix) from None
+                    line.append(c)
+                cid = c.parent
+        checked: set[str] = set()
+        for c in line:
+            seal = (c.seals or {}).get("fs")
+            if not c.fs_snapshot or seal is None or c.fs_snapshot in checked:
+                continue
+            checked.add(c.fs_snapshot)
+            try:
+                res = check_seal(self.fs, c.fs_snapshot, seal)
+            except SealBroken as e:
+                raise IntegrityError(f"checkpoint {ck.id}: its files are not what was committed: {e}",
+                                     fix=fix) from None
+            if res != "ok":
+                log.info("checkpoint %s: %s", ck.id, res)
+        seal = (ck.seals or {}).get("proc")
+        if processes and ck.proc_image and seal is not None:
+            try:
+                m = self.images.manifest(ck.proc_image)
+                if m.digest != seal:
+                    raise IntegrityError(f"checkpoint {ck.id}: its process image {ck.proc_image} is not the one "
+                                         f"committed (manifest digest differs)", fix=fix)
+                self.images.verify(ck.proc_image)
+            except DeltacrError as e:
+                raise IntegrityError(f"checkpoint {ck.id}: its process image is damaged: {e}", fix=fix) from None
+
     @staticmethod
     def _own(row: SandboxRow, owner: str | None) -> SandboxRow:
         if owner is not None and row.owner != owner:
@@ -657,8 +749,15 @@ class Daemon:
 
     def _size_checkpoint(self, cid: str, extra: int) -> None:
         """Fill in a committed checkpoint's `bytes`: what its snapshot adds over
-        its parent, plus `extra` (its process image's raw bytes). Worker thread."""
+        its parent, plus `extra` (its process image's raw bytes). Worker thread,
+        at the lowest CPU priority: the walk must not slow the sandboxes' turns."""
         t = time.monotonic()
+        tid = threading.get_native_id()
+        try:
+            old_nice = os.getpriority(os.PRIO_PROCESS, tid)
+            os.setpriority(os.PRIO_PROCESS, tid, 19)
+        except OSError:
+            old_nice = None
         try:
             ck = self.store.get_checkpoint(cid)
             if ck.state != "committed" or not ck.fs_snapshot:
@@ -673,6 +772,9 @@ class Daemon:
             except NotFound:
                 return  # its snapshot went with it while we walked it
             raise
+        finally:
+            if old_nice is not None:
+                os.setpriority(os.PRIO_PROCESS, tid, old_nice)  # the pool thread serves others next
         self.metrics.observe_checkpoint({}, size)
         self._event("checkpoint.sized", ck.sandbox_id, checkpoint=cid, plan=ck.plan, bytes=size,
                     size_ms=round((time.monotonic() - t) * 1000, 3))
@@ -870,6 +972,8 @@ class Daemon:
             self._own(self.store.get_sandbox(c.sandbox_id), owner)
             if c.state != "committed":
                 raise FailedPrecondition(f"checkpoint {c.id} is {c.state}")
+        for c in (ca, cb):  # a diff reads both snapshots: both must be what was committed
+            self._verify_checkpoint(c, processes=False)
         changes = self.fs.diff(ca.fs_snapshot, cb.fs_snapshot) if ca.fs_snapshot != cb.fs_snapshot else []
         return {"from": a, "to": b, "changes": [_change_dict(ch) for ch in changes]}
 
@@ -917,7 +1021,7 @@ class Daemon:
     def _rollback_sync(self, sid: str, ref: str | int | None, reason: str) -> dict[str, Any]:
         row = self.store.get_sandbox(sid)
         ck = self._latest_committed(row) if ref is None else self.resolve_checkpoint(sid, ref)
-        self.store.verify(ck)
+        self._verify_checkpoint(ck)  # before anything of the sandbox is stopped or replaced
         timing: dict[str, float] = {}
         try:
             self.inspector.unwatch(sid)
@@ -1006,10 +1110,13 @@ class Daemon:
         the sandbox as unmanaged effects of the turn (made from its parent)."""
         try:
             self.ledger.charge(row.lineage, wall_s=wall_s)
-            if effects.external or effects.external_unknown:
+            # Without BPF every turn is external_unknown (short-lived
+            # connections are invisible to /proc): an `unseen` row per turn
+            # would say nothing new, so only BPF's lost events write one.
+            unseen = bool(effects.external_unknown) and getattr(effects, "source", "proc") != "proc"
+            if effects.external or unseen:
                 ids = self.ledger.record_unmanaged(row, turn=turn, checkpoint=ck.parent,
-                                                   reasons=list(effects.external_reasons),
-                                                   unknown=bool(effects.external_unknown))
+                                                   reasons=list(effects.external_reasons), unknown=unseen)
                 self._event("effects.unmanaged", row.id, turn=turn, checkpoint=ck.id, effects=ids,
                             reasons=list(effects.external_reasons))
         except CrabdError as e:  # the turn happened; its bookkeeping must not fail it
@@ -1067,7 +1174,7 @@ class Daemon:
             raise InvalidArgument("count must be between 1 and 64")
         ck = await asyncio.to_thread(self.store.get_checkpoint, cid)
         src = self._own(await asyncio.to_thread(self.store.get_sandbox, ck.sandbox_id), owner)
-        self.store.verify(ck)
+        await asyncio.to_thread(self._verify_checkpoint, ck)
         t0 = time.monotonic()
         made = []
         for _ in range(count):
@@ -1091,8 +1198,12 @@ class Daemon:
             self._maintenance_queued = False
             dropped = 0
             for sid, t in list(self.turns.items()):
+                # A sandbox with a turn, rollback or capture in flight is left
+                # for the next round (one is queued after every capture): idle
+                # work never makes a turn wait for the sandbox's lock.
+                if t.lock.locked() or (t.capture is not None and not t.capture.done()):
+                    continue
                 async with t.lock:  # no exec, rollback or capture of this sandbox meanwhile
-                    await self._wait_capture(t)
                     dropped += await asyncio.to_thread(self._apply_retention, sid)
             merged, gone = await asyncio.to_thread(lambda: (self.fs.compact(), self.fs.gc()))
             if merged or gone or dropped:
