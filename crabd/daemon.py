@@ -103,6 +103,7 @@ class Daemon:
         self.images = ImageStore(self.state_dir / "cr")
         self.fs = self._open_fs()
         self._img_seals: dict[str, dict[str, Any]] = {}  # image snapshot -> its seal, made once per daemon
+        self._img_verified: set[str] = set()  # overlay image snapshots whose seal was checked
         self.store.sealer = self._seal_row
         self.inspector = inspector if inspector is not None else self._open_inspector()
         from .metrics import Metrics
@@ -337,6 +338,8 @@ class Daemon:
             row = SandboxRow(id=sb.id, name=sb.name, image=image, fs_key=key, lineage=lineage or sb.id,
                              owner=owner, head=f"{sb.id}-0", next_seq=1, limits=limits.to_dict(),
                              forked_from=base_checkpoint.id if base_checkpoint else None)
+            if base_checkpoint is None and parent_snapshot.startswith("img-"):
+                self._image_seal(parent_snapshot)  # hashed now, not inside the write transaction
             with self.store.transaction():
                 self.store.add_sandbox(row)
                 self.store.add_checkpoint(CheckpointRow(
@@ -488,13 +491,7 @@ class Daemon:
             if parent is not None and parent.fs_snapshot == row.fs_snapshot and "fs" in ps:
                 out["fs"] = ps["fs"]
             elif row.fs_snapshot.startswith("img-"):
-                with self._guard:
-                    cached = self._img_seals.get(row.fs_snapshot)
-                if cached is None:
-                    cached = seal(self.fs, row.fs_snapshot)
-                    with self._guard:
-                        cached = self._img_seals.setdefault(row.fs_snapshot, cached)
-                out["fs"] = cached
+                out["fs"] = self._image_seal(row.fs_snapshot)
             else:
                 out["fs"] = seal(self.fs, row.fs_snapshot)
         if row.proc_image:
@@ -503,6 +500,18 @@ class Daemon:
             else:
                 out["proc"] = self.images.manifest(row.proc_image).digest
         return out or None
+
+    def _image_seal(self, name: str) -> dict[str, Any]:
+        """The seal of an image snapshot: made once per daemon (an overlay
+        image layer is the whole image: hashing it takes a while)."""
+        from deltafs.seal import seal
+        with self._guard:
+            cached = self._img_seals.get(name)
+        if cached is None:
+            cached = seal(self.fs, name)
+            with self._guard:
+                cached = self._img_seals.setdefault(name, cached)
+        return cached
 
     def _verify_checkpoint(self, ck: CheckpointRow, processes: bool = True) -> None:
         """Refuse a checkpoint whose row, layer(s) or process image changed
@@ -542,6 +551,9 @@ class Daemon:
             if not c.fs_snapshot or seal is None or c.fs_snapshot in checked:
                 continue
             checked.add(c.fs_snapshot)
+            img = self.fs.driver == "overlay" and c.fs_snapshot.startswith("img-")
+            if img and c.fs_snapshot in self._img_verified:
+                continue  # a whole image layer: hashed once per daemon (README)
             try:
                 res = check_seal(self.fs, c.fs_snapshot, seal)
             except SealBroken as e:
@@ -549,6 +561,8 @@ class Daemon:
                                      fix=fix) from None
             if res != "ok":
                 log.info("checkpoint %s: %s", ck.id, res)
+            elif img:
+                self._img_verified.add(c.fs_snapshot)
         seal = (ck.seals or {}).get("proc")
         if processes and ck.proc_image and seal is not None:
             try:

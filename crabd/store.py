@@ -13,6 +13,11 @@ Nothing is ever listed as committed that was not.
 Each committed checkpoint carries a digest: blake3, keyed with a host secret
 (`<state>/secret`, mode 0600, created at first start), over the row's
 identifying fields, so a tampered row is detected before it is used.
+Covered: id, sandbox_id, seq, parent, branch, turn, plan, effects,
+fs_snapshot, proc_image, bytes, schema_version, created_at and the seals
+of its layer and process image. Not covered (informational): reasons,
+durations, error; `state` is covered in effect (only a committed row with
+a valid digest is ever used, and only a commit writes a digest).
 
 Schema changes are numbered migrations applied in order at open, recorded in
 `PRAGMA user_version`; a database newer than this code is refused.
@@ -131,6 +136,11 @@ MIGRATIONS: list[str] = [
         digest        TEXT
     );
     """,
+    # 3: seals of a checkpoint's committed layer and process image (JSON; see
+    # crabd.daemon._seal_row), recorded at commit and covered by the digest
+    """
+    ALTER TABLE checkpoints ADD COLUMN seals TEXT;
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -183,6 +193,7 @@ class CheckpointRow:
     created_at: float = field(default_factory=time.time)
     state: str = "pending"
     error: str | None = None
+    seals: dict[str, Any] | None = None  # {"fs": deltafs seal, "proc": manifest digest}, set at commit
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -201,7 +212,7 @@ class Event:
 
 
 _SB_JSON = {"limits"}
-_CK_JSON = {"reasons", "effects", "durations"}
+_CK_JSON = {"reasons", "effects", "durations", "seals"}
 
 
 class Store:
@@ -212,6 +223,9 @@ class Store:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.state_dir / "crabd.db"
         self._key = _host_secret(self.state_dir / "secret")
+        # Called with a committed checkpoint row, returns its seals (the daemon
+        # sets it: the store does not know layers or images).
+        self.sealer: Any = None
         self._lock = threading.RLock()
         try:
             self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
@@ -311,6 +325,8 @@ class Store:
     # --- checkpoints -----------------------------------------------------------------
     def add_checkpoint(self, row: CheckpointRow) -> None:
         if row.state == "committed":
+            if self.sealer is not None and row.seals is None:
+                row.seals = self.sealer(row)
             row.digest = self.digest(row)
         d = _encode(row.to_dict(), _CK_JSON)
         with self._lock:
@@ -318,7 +334,13 @@ class Store:
                              list(d.values()))
 
     def commit_checkpoint(self, cid: str, **fields: Any) -> CheckpointRow:
-        """Mark a pending checkpoint committed (with its final fields and digest)."""
+        """Mark a pending checkpoint committed (with its final fields, seals and digest)."""
+        if self.sealer is not None and "seals" not in fields:
+            # Seal outside the write transaction: hashing a layer takes a while.
+            probe = self.get_checkpoint(cid)
+            for k, v in fields.items():
+                setattr(probe, k, v)
+            fields = {**fields, "seals": self.sealer(probe)}
         with self._tx():
             row = self._get_checkpoint_unlocked(cid)
             for k, v in fields.items():
@@ -419,6 +441,8 @@ class Store:
         fields = {k: getattr(row, k) for k in ("id", "sandbox_id", "seq", "parent", "branch", "turn", "plan",
                                                "fs_snapshot", "proc_image", "bytes", "schema_version", "created_at")}
         fields["effects"] = row.effects
+        if row.seals is not None:  # (rows from before migration 3 have none: their digest stays valid)
+            fields["seals"] = row.seals
         canon = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str).encode()
         return blake3.blake3(canon, key=self._key).hexdigest()
 

@@ -27,8 +27,8 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def security_daemon(runtime: Any, images: tuple[str, ...] = ("busybox",),
-                    env: dict[str, str] | None = None) -> Iterator[tuple[Any, str]]:
+def security_daemon(runtime: Any, images: tuple[str, ...] = ("busybox",), env: dict[str, str] | None = None,
+                    config: str = "") -> Iterator[tuple[Any, str]]:
     """(DaemonHandle, "http://127.0.0.1:PORT"); sandboxes destroyed and the
     state dir removed afterwards."""
     from crabd.runtime import Runtime
@@ -47,7 +47,7 @@ def security_daemon(runtime: Any, images: tuple[str, ...] = ("busybox",),
         port = free_port()
         cfg = conf / "config.toml"
         cfg.write_text(f'tcp_listen = "127.0.0.1:{port}"\ntoken_file = "{conf / "token"}"\n'
-                       f'tokens_file = "{tokens}"\n')
+                       f'tokens_file = "{tokens}"\n' + config)
         d = DaemonHandle(st, args=["--config", str(cfg)], env={"CRABD_INSPECTOR": "proc", **(env or {})})
         d.start()
         yield d, f"http://127.0.0.1:{port}"
