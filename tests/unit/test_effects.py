@@ -3,6 +3,7 @@ real SQLite store (no root)."""
 
 from __future__ import annotations
 
+import json
 import random
 import uuid
 
@@ -282,4 +283,51 @@ def test_api_routes_and_input_errors(tmp_path):
     ]:
         r = one(m, p, j)
         assert r.status_code == status and "error" in r.json(), (p, j, r.status_code, r.text)
+    st.close()
+
+
+# --- the CLI, in process (its Client talks to the real routes through Starlette's TestClient) ---
+def test_cli_effects_and_budget_commands(tmp_path, monkeypatch):
+    from fastapi.testclient import TestClient
+    from typer.testing import CliRunner
+
+    import crabd.cli as cli
+    from crabd.api import make_app
+    from crabd.client import Client
+    from crabd.daemon import Daemon
+
+    st = Store(tmp_path)
+    st.add_sandbox(SandboxRow(id="sb1", name="sb1", image="busybox", fs_key="k", lineage="sb1", head="sb1-1"))
+    d = Daemon.__new__(Daemon)
+    d.store, d.ledger, d._loop, d._event_waiters = st, Ledger(st), None, set()
+    client = Client.__new__(Client)
+    client.socket = "in-process"
+    client._http = TestClient(make_app(d, token="t0123456789abcdef"), base_url="http://crabd",
+                              headers={"authorization": "Bearer t0123456789abcdef"})
+    monkeypatch.setattr(cli, "_client", lambda socket: client)
+    run = CliRunner().invoke
+
+    r = run(cli.app, ["effects", "intent", "sb1", "email.send", "--key", "k1", "--args", '{"to": "bob"}', "--json"])
+    assert r.exit_code == 0, r.output
+    eid = json.loads(r.output)["effect"]["id"]
+    r = run(cli.app, ["effects", "commit", eid, "--receipt", '{"id": "m1"}', "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["state"] == "committed", r.output
+    r = run(cli.app, ["effects", "intent", "sb1", "email.send", "--key", "k2", "--args", '{"to": "bob"}'])
+    assert r.exit_code == 0 and r.output.startswith(f"replay (matches {eid} by fingerprint)"), r.output
+    r = run(cli.app, ["effects", "ls", "sb1", "--json"])
+    assert [e["id"] for e in json.loads(r.output)] == [eid]
+    r = run(cli.app, ["effects", "policy", "sb1", "email.send", "allow", "--json"])
+    assert json.loads(r.output) == {"email.send": "allow"}
+    r = run(cli.app, ["budget", "set", "sb1", "--turns", "3", "--cost", "none", "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["limits"]["turns"] == 3, r.output
+    r = run(cli.app, ["budget", "show", "sb1"])
+    assert r.exit_code == 0 and "turns" in r.output
+    # bad input: exit 1, the error and its fix, nothing recorded
+    r = run(cli.app, ["effects", "intent", "sb1", "x", "--args", "{not json", "--json"])
+    assert r.exit_code == 1 and json.loads(r.output)["error"]["code"] == "invalid_argument", r.output
+    r = run(cli.app, ["budget", "set", "sb1", "--turns", "many", "--json"])
+    assert r.exit_code == 1 and "--turns" in json.loads(r.output)["error"]["message"], r.output
+    r = run(cli.app, ["effects", "fail", eid, "--json"])
+    assert r.exit_code == 1 and json.loads(r.output)["error"]["code"] == "failed_precondition", r.output
+    assert len(Ledger(st).list("sb1")) == 1
     st.close()
