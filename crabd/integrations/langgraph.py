@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import threading
 from collections.abc import AsyncIterator, Collection, Generator, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -81,9 +82,10 @@ _MAX_PINS = 4096  # pins kept (the oldest go first); one per graph checkpoint
 
 T = TypeVar("T")
 # A step of the saver's logic asks for one call: ("crabd", method, args, kwargs)
-# on the crabd client, or ("inner", method, args, kwargs) on the inner saver
-# (sync name; the async driver calls the `a`-prefixed twin). The same logic
-# thus runs under the sync and the async API.
+# on the crabd client, ("inner", method, args, kwargs) on the inner saver
+# (sync name; the async driver calls the `a`-prefixed twin), or ("lock"|"unlock",
+# sandbox, (), {}) on a per-sandbox lock. The same logic thus runs under the
+# sync and the async API.
 _Call = tuple[str, str, tuple[Any, ...], dict[str, Any]]
 _Logic = Generator[_Call, Any, T]
 
@@ -138,6 +140,7 @@ class CrabdCheckpointSaver(BaseCheckpointSaver[Any]):
         self._fork_base: dict[str, str] = {}     # forked sandbox -> its initial checkpoint
         # (thread, ns, graph checkpoint) -> (sandbox, crabd checkpoint) pinned for it
         self._pins: dict[tuple[str, str, str], tuple[str, str]] = {}
+        self._locks: dict[str, threading.Lock] = {}  # sandbox -> lock around recording it
 
     # --- public helpers ------------------------------------------------------------------
     def bind(self, thread_id: str, sandbox_id: str) -> None:
@@ -291,10 +294,18 @@ class CrabdCheckpointSaver(BaseCheckpointSaver[Any]):
         if pin is not None:
             return pin
         sid = yield from self._l_sandbox(thread, create=True)
-        cid = yield from self._l_record(sid)
-        pin = self._pins.setdefault(key, (sid, cid))
-        while len(self._pins) > _MAX_PINS:
-            del self._pins[next(iter(self._pins))]
+        # One record at a time per sandbox: the put and the node's ask then
+        # share one crabd checkpoint instead of taking two.
+        yield ("lock", sid, (), {})
+        try:
+            pin = self._pins.get(key)
+            if pin is None:
+                cid = yield from self._l_record(sid)
+                pin = self._pins.setdefault(key, (sid, cid))
+                while len(self._pins) > _MAX_PINS:
+                    del self._pins[next(iter(self._pins))]
+        finally:
+            yield ("unlock", sid, (), {})
         return pin
 
     def _l_record(self, sid: str) -> _Logic[str]:
@@ -424,10 +435,14 @@ class CrabdCheckpointSaver(BaseCheckpointSaver[Any]):
             call = next(logic)
             while True:
                 kind, method, args, kw = call
-                target = self.client if kind == "crabd" else self.inner
                 try:
-                    result = getattr(target, method)(*args, **kw)
-                except Exception as e:
+                    if kind == "lock":
+                        result = self._locks.setdefault(method, threading.Lock()).acquire()
+                    elif kind == "unlock":
+                        result = self._locks[method].release()
+                    else:
+                        result = getattr(self.client if kind == "crabd" else self.inner, method)(*args, **kw)
+                except BaseException as e:  # cancellation too: the logic releases its lock
                     call = logic.throw(e)
                     continue
                 call = logic.send(result)
@@ -440,13 +455,20 @@ class CrabdCheckpointSaver(BaseCheckpointSaver[Any]):
             while True:
                 kind, method, args, kw = call
                 try:
-                    if kind == "inner":
+                    if kind == "lock":  # a thread lock (sync callers share it), polled: cancellable
+                        lock = self._locks.setdefault(method, threading.Lock())
+                        while not lock.acquire(blocking=False):
+                            await asyncio.sleep(0.005)
+                        result = True
+                    elif kind == "unlock":
+                        result = self._locks[method].release()
+                    elif kind == "inner":
                         result = await getattr(self.inner, "a" + method)(*args, **kw)
                     elif self.aclient is not None:
                         result = await getattr(self.aclient, method)(*args, **kw)
                     else:
                         result = await asyncio.to_thread(getattr(self.client, method), *args, **kw)
-                except Exception as e:
+                except BaseException as e:  # cancellation too: the logic releases its lock
                     call = logic.throw(e)
                     continue
                 call = logic.send(result)

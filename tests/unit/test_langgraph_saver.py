@@ -328,3 +328,42 @@ def test_with_allowlist_widens_the_inner_saver_and_shares_state() -> None:
     clone = saver.with_allowlist([("my.module", "MyType")])
     assert clone is not saver and clone.inner is not saver.inner and clone.serde is clone.inner.serde
     assert clone.sandbox_for({"configurable": {"thread_id": "t"}}) == sid
+
+
+def test_put_and_a_nodes_ask_share_one_crabd_checkpoint_and_errors_release_the_lock() -> None:
+    import threading
+    import time
+
+    from langgraph.checkpoint.base import empty_checkpoint
+
+    class Slow(FakeCrabd):
+        fail = False
+
+        def create_checkpoint(self, sid: str) -> dict[str, Any]:
+            time.sleep(0.05)  # both callers are inside the record at once without the lock
+            if self.fail:
+                self.fail = False
+                raise FailedPrecondition("capture failed")
+            return super().create_checkpoint(sid)
+
+    fake = Slow()
+    saver = CrabdCheckpointSaver(fake, image="busybox")
+    cfg = {"configurable": {"thread_id": "t", "checkpoint_ns": ""}}
+    saver.sandbox_for(cfg)
+    fake.write(saver.sandbox_for(cfg), "/f", "1")  # the head moved: the next record takes a checkpoint
+    ck = empty_checkpoint()
+    node_cfg = {"configurable": {"thread_id": "t", "checkpoint_map": {"": ck["id"]}}}
+    fake.calls.clear()
+    threads = [threading.Thread(target=saver.put, args=(cfg, ck, {"source": "loop", "step": 0}, {})),
+               threading.Thread(target=saver.sandbox_for, args=(node_cfg,))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert fake.calls.count("create_checkpoint") == 1
+    # a failed record raises and leaves the sandbox usable
+    fake.fail = True
+    fake.write(saver.sandbox_for(cfg), "/f", "2")
+    with pytest.raises(FailedPrecondition, match="capture failed"):
+        saver.put(cfg, empty_checkpoint(), {"source": "loop", "step": 1}, {})
+    saver.put(cfg, empty_checkpoint(), {"source": "loop", "step": 1}, {})
