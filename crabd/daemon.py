@@ -65,6 +65,7 @@ class DaemonOptions:
     keep_last: int = 50           # retention: newest N checkpoints per sandbox ...
     keep_every: int = 10          # ... plus every Mth (0 = none)
     capture: str = "auto"         # crabd.capture mode: auto | fs-only | full
+    pool_size: int | None = None  # bytes of a new btrfs loop pool (None: deltafs's default, 20 GiB)
 
 
 @dataclass
@@ -133,7 +134,8 @@ class Daemon:
         deadline = time.monotonic() + 15
         while True:
             try:
-                fs = deltafs.open(str(self.state_dir / "fs"), driver=self.options.snapshot_driver)
+                fs = deltafs.open(str(self.state_dir / "fs"), driver=self.options.snapshot_driver,
+                                  pool_size=self.options.pool_size)
                 # Test knob (bench/chaos.py): shallow overlay chains, so compaction runs often.
                 if fs.driver == "overlay" and os.environ.get("CRABD_OVERLAY_MAX_DEPTH"):
                     fs.max_depth = max(2, int(os.environ["CRABD_OVERLAY_MAX_DEPTH"]))
@@ -159,8 +161,8 @@ class Daemon:
         from concurrent.futures import ThreadPoolExecutor
         self._loop.set_default_executor(ThreadPoolExecutor(max_workers=256, thread_name_prefix="crabd"))
         await asyncio.to_thread(self._recover_pending)
-        for eid in await asyncio.to_thread(self.ledger.mark_in_flight_unknown):
-            self._event("effect.unknown", None, effect=eid, reason="crabd restarted while it was in flight")
+        for eid, sid in await asyncio.to_thread(self.ledger.mark_in_flight_unknown):
+            self._event("effect.unknown", sid, effect=eid, reason="crabd restarted while it was in flight")
         for row in self.store.list_sandboxes():
             self.turns[row.id] = Turns()
             try:
@@ -1386,12 +1388,15 @@ class Daemon:
 
     def _discard_leftover_standbys(self) -> None:
         """Standbys are caches: after a restart, drop what an earlier daemon left."""
-        from .runtime.process import discard_standby, list_standbys
+        from .runtime.process import discard_standby, list_standbys, remove_standby_leftovers
         for st in list_standbys(self.runtime):
             try:
                 discard_standby(self.runtime, st)
             except Exception as err:
                 log.warning("discarding leftover standby %s: %s", st.token, err)
+        # ... and what a prepare killed midway left (no standby.json yet)
+        for d in remove_standby_leftovers(self.runtime):
+            log.info("removed a half-made standby %s", d)
         for info in list(self.fs.walk()):
             if info.name.startswith("standby-"):
                 self._remove_snapshot(info.name)

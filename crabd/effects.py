@@ -424,17 +424,18 @@ class Ledger:
                 made.append(row["id"])
         return made
 
-    def mark_in_flight_unknown(self) -> list[str]:
+    def mark_in_flight_unknown(self) -> list[tuple[str, str | None]]:
         """At daemon start: intents a previous crabd left open may or may not
-        have happened: they are `unknown` until reconciled."""
+        have happened: they are `unknown` until reconciled. Returns (effect,
+        sandbox) pairs."""
         from .store import IntegrityError
         done = []
         with self.store.transaction():
-            ids = [r[0] for r in self.store._db.execute("SELECT id FROM effects WHERE state='intent'").fetchall()]
-            for eid in ids:
+            rows = self.store._db.execute("SELECT id, sandbox_id FROM effects WHERE state='intent'").fetchall()
+            for eid, sid in rows:
                 try:
                     self._update(eid, state="unknown", error="crabd restarted while this effect was in flight")
-                    done.append(eid)
+                    done.append((eid, sid))
                 except IntegrityError:
                     pass  # left as it is; listing shows it unverified, using it is refused
         return done

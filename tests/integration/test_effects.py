@@ -156,7 +156,7 @@ def test_crash_between_call_and_receipt_reconciles_by_key_and_keeps_the_budget(s
     d.start()
     c = d.client()
     assert c.effect(eid)["state"] == "unknown"           # in flight across the crash: unknown, never failed
-    assert any(e["data"]["effect"] == eid for e in c.events() if e["kind"] == "effect.unknown")
+    assert any(e["data"]["effect"] == eid for e in _events(c, sid, "effect.unknown"))
     # Resume: the agent retries the call with a fresh request id; the ledger says reconcile first.
     retry = dict(args, request_id=str(uuid.UUID(int=rng.getrandbits(128))))
     dec = c.effect_intent(sid, "payments.charge", key=key, args=retry)

@@ -163,7 +163,7 @@ def test_finished_effects_are_final_and_unknown_needs_reconcile(ledger):
 def test_restart_marks_in_flight_intents_unknown(ledger):
     lg, st = ledger
     e = lg.intent(st.get_sandbox("s1"), "pay", key="k", args={})["effect"]
-    assert lg.mark_in_flight_unknown() == [e["id"]]
+    assert lg.mark_in_flight_unknown() == [(e["id"], "s1")]
     assert lg.get(e["id"])["state"] == "unknown"
 
 
