@@ -201,7 +201,11 @@ def test_agent_crash_resume_from_earlier_checkpoint_and_fork(daemon):
                and sum(isinstance(m, ToolMessage) for m in s.values["messages"]) == 3)
     fork_cfg = saver.fork_thread(at3.config, "agent-fork")
     fsid = saver.sandbox_for(fork_cfg)
-    assert fsid != sid and c.sandbox(fsid)["status"] == "running"
+    forked = c.sandbox(fsid)
+    assert fsid != sid and forked["status"] == "running"
+    # crabd forked the very checkpoint recorded with the graph checkpoint at edit 3
+    assert forked["forked_from"] == record_of(saver.get_tuple(at3.config))["checkpoint"]
+    assert forked["lineage"] == c.sandbox(sid)["lineage"]
     assert sandbox_files(c, fsid) == expected_files(3)
     graph.invoke(None, {"configurable": {"thread_id": "agent-fork"}})
     assert sandbox_files(c, fsid) == expected_files(len(EDITS))
