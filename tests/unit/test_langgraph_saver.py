@@ -367,3 +367,48 @@ def test_put_and_a_nodes_ask_share_one_crabd_checkpoint_and_errors_release_the_l
     with pytest.raises(FailedPrecondition, match="capture failed"):
         saver.put(cfg, empty_checkpoint(), {"source": "loop", "step": 1}, {})
     saver.put(cfg, empty_checkpoint(), {"source": "loop", "step": 1}, {})
+
+
+def test_a_new_saver_on_the_same_inner_store_finds_the_sandbox_and_resumes() -> None:
+    # a process restart: the bindings are gone, the records are in the inner saver
+    fake, inner = FakeCrabd(), InMemorySaver()
+    cfg = {"configurable": {"thread_id": "t"}}
+    first = CrabdCheckpointSaver(fake, inner=inner, image="busybox")
+    with pytest.raises(RuntimeError):
+        _graph(first, fake, steps=3, fail_at=2).invoke({"log": [], "n": 0}, cfg)
+    sid = first.sandbox_for(cfg)
+    assert fake.files(sid) == _files_at(2)  # the crashed step's write
+    second = CrabdCheckpointSaver(fake, inner=inner)  # no image: it must find the sandbox
+    fake.calls.clear()
+    out = _graph(second, fake, steps=3).invoke(None, cfg)
+    assert out["n"] == 3 and second.sandbox_for(cfg) == sid and len(fake.sandboxes) == 1
+    assert fake.calls.count("rollback") == 1  # the half-done step 2 was undone first
+    assert fake.files(sid) == _files_at(3)
+
+
+def test_resuming_an_interrupt_rolls_nothing_back() -> None:
+    from langgraph.types import Command, interrupt
+
+    fake = FakeCrabd()
+    saver = CrabdCheckpointSaver(fake, image="busybox")
+
+    def work(state: State, config: RunnableConfig) -> dict[str, Any]:
+        fake.write(saver.sandbox_for(config), "/work/f1", "step 1")
+        return {"n": 1, "log": ["step 1"]}
+
+    def ask(state: State) -> dict[str, Any]:
+        return {"log": [interrupt("ok?")]}
+
+    g = StateGraph(State)
+    g.add_node("work", work)
+    g.add_node("ask", ask)
+    g.add_edge(START, "work")
+    g.add_edge("work", "ask")
+    g.add_edge("ask", END)
+    graph = g.compile(checkpointer=saver)
+    cfg = {"configurable": {"thread_id": "t"}}
+    graph.invoke({"log": [], "n": 0}, cfg)
+    assert graph.get_state(cfg).next == ("ask",)
+    out = graph.invoke(Command(resume="yes"), cfg)
+    assert out["log"] == ["step 1", "yes"] and "rollback" not in fake.calls
+    assert fake.files(saver.sandbox_for(cfg)) == _files_at(1)
