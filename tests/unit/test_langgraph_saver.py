@@ -412,3 +412,39 @@ def test_resuming_an_interrupt_rolls_nothing_back() -> None:
     out = graph.invoke(Command(resume="yes"), cfg)
     assert out["log"] == ["step 1", "yes"] and "rollback" not in fake.calls
     assert fake.files(saver.sandbox_for(cfg)) == _files_at(1)
+
+
+def test_a_subgraph_writing_files_records_and_time_travels_with_its_parent() -> None:
+    fake = FakeCrabd()
+    saver = CrabdCheckpointSaver(fake, image="busybox")
+
+    def write(state: State, config: RunnableConfig) -> dict[str, Any]:
+        n = state["n"] + 1
+        fake.write(saver.sandbox_for(config), f"/work/f{n}", f"step {n}")
+        return {"n": n, "log": [f"step {n}"]}
+
+    sub = StateGraph(State)
+    sub.add_node("w1", write)
+    sub.add_node("w2", write)
+    sub.add_edge(START, "w1")
+    sub.add_edge("w1", "w2")
+    sub.add_edge("w2", END)
+    g = StateGraph(State)
+    g.add_node("first", write)
+    g.add_node("sub", sub.compile())
+    g.add_node("last", write)
+    g.add_edge(START, "first")
+    g.add_edge("first", "sub")
+    g.add_edge("sub", "last")
+    g.add_edge("last", END)
+    graph = g.compile(checkpointer=saver)
+    cfg = {"configurable": {"thread_id": "t"}}
+    assert graph.invoke({"log": [], "n": 0}, cfg)["n"] == 4
+    sid = saver.sandbox_for(cfg)
+    assert len(fake.sandboxes) == 1 and "rollback" not in fake.calls
+    for snap in graph.get_state_history(cfg):
+        rec = record_of(saver.get_tuple(snap.config))
+        assert rec is not None and fake.checkpoints[rec["checkpoint"]]["files"] == _files_at(snap.values.get("n", 0))
+    at1 = next(s for s in graph.get_state_history(cfg) if s.next == ("sub",))
+    seen = [fake.files(sid) for _, _ in zip(range(1), graph.stream(None, at1.config, stream_mode="values"))]
+    assert seen == [_files_at(1)]
