@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Sequence
 
 import httpx
 
@@ -67,6 +67,17 @@ def _intent(op: str, key: str | None, args: Any, postcondition: str | None, vola
             force: bool) -> dict[str, Any]:
     return {"op": op, "key": key, "args": args, "postcondition": postcondition, "volatile": list(volatile),
             "force": force}
+
+
+def _effect_step(d: dict[str, Any], lookup: Any) -> str:
+    """What effect_call does with an intent's decision: execute, replay or reconcile."""
+    if d["decision"] == "ask":
+        raise E.FailedPrecondition(f"operation {d['match']['op']!r} has policy ask and matches effect {d['matched']}",
+                                   fix="ask the user; then effect_intent(..., force=True) executes it")
+    if d["decision"] == "reconcile" and lookup is None:
+        raise E.FailedPrecondition(f"effect {d['matched']} ({d['match']['op']}) has an unknown outcome",
+                                   fix="pass lookup= to check the outside world by key, or call effect_reconcile")
+    return str(d["decision"])
 
 
 def _effects_q(state: Sequence[str] | None, op: str | None, lineage: bool) -> dict[str, Any]:
@@ -136,8 +147,8 @@ class Client:
     def delete_checkpoint(self, cid: str) -> None:
         self._req("DELETE", f"/v1/checkpoints/{cid}")
 
-    def diff(self, a: str, b: str) -> dict[str, Any]:
-        return self._req("GET", f"/v1/checkpoints/{a}/diff/{b}")
+    def diff(self, a: str, b: str, limit: int = 10_000) -> dict[str, Any]:
+        return self._req("GET", f"/v1/checkpoints/{a}/diff/{b}", params={"limit": limit})
 
     def rollback(self, sid: str, checkpoint: str | int | None = None) -> dict[str, Any]:
         return self._req("POST", f"/v1/sandboxes/{sid}/rollback", json={"checkpoint": checkpoint})
@@ -189,6 +200,41 @@ class Client:
 
     def charge(self, sid: str, cost: float) -> dict[str, Any]:
         return self._req("POST", f"/v1/sandboxes/{sid}/budget/charge", json={"cost": cost})
+
+    def effect_call(self, sid: str, op: str, args: Any, run: Callable[[], Any], *, key: str | None = None,
+                    lookup: Callable[[str | None], Any] | None = None, postcondition: str | None = None,
+                    volatile: Sequence[str] = (), failed_on: tuple[type[BaseException], ...] = ()) -> dict[str, Any]:
+        """Run the external call `run()` through the ledger: at most once per
+        lineage for the same key or the same op and arguments (policy
+        `replay`). Returns {"decision": "execute"|"replay", "receipt", "effect"}.
+
+        `run()` returns the receipt (JSON). An exception from it leaves the
+        effect `unknown` (it may have reached the other side), except the
+        types in `failed_on`, which record `failed`; it is re-raised either
+        way. A `reconcile` decision calls `lookup(key of the earlier
+        attempt)` -> its receipt, or None when the outside world has no
+        trace of it; then the intent is asked again. Policy `ask` raises
+        FailedPrecondition."""
+        for _ in range(8):  # a reconcile settles the match; the next intent decides
+            d = self.effect_intent(sid, op, key=key, args=args, postcondition=postcondition, volatile=volatile)
+            step = _effect_step(d, lookup)
+            if step == "replay":
+                return {"decision": "replay", "receipt": d.get("receipt"), "effect": d["match"]}
+            if step == "reconcile":
+                found = lookup(d["match"]["key"])  # type: ignore[misc]
+                self.effect_reconcile(d["matched"], "committed" if found is not None else "failed", receipt=found)
+                continue
+            eid = d["effect"]["id"]
+            try:
+                receipt = run()
+            except failed_on as e:
+                self.effect_fail(eid, f"{type(e).__name__}: {e}")
+                raise
+            except BaseException as e:
+                self.effect_unknown(eid, f"{type(e).__name__}: {e}")
+                raise
+            return {"decision": "execute", "receipt": receipt, "effect": self.effect_commit(eid, receipt=receipt)}
+        raise E.FailedPrecondition(f"effect {op!r} did not settle after 8 reconciles", fix="inspect: crabd effects ls")
 
     # events, health
     def events(self, since: int = 0, sandbox: str | None = None) -> list[dict[str, Any]]:
@@ -267,8 +313,8 @@ class AsyncClient:
     async def delete_checkpoint(self, cid: str) -> None:
         await self._req("DELETE", f"/v1/checkpoints/{cid}")
 
-    async def diff(self, a: str, b: str) -> dict[str, Any]:
-        return await self._req("GET", f"/v1/checkpoints/{a}/diff/{b}")
+    async def diff(self, a: str, b: str, limit: int = 10_000) -> dict[str, Any]:
+        return await self._req("GET", f"/v1/checkpoints/{a}/diff/{b}", params={"limit": limit})
 
     async def rollback(self, sid: str, checkpoint: str | int | None = None) -> dict[str, Any]:
         return await self._req("POST", f"/v1/sandboxes/{sid}/rollback", json={"checkpoint": checkpoint})
@@ -320,6 +366,34 @@ class AsyncClient:
 
     async def charge(self, sid: str, cost: float) -> dict[str, Any]:
         return await self._req("POST", f"/v1/sandboxes/{sid}/budget/charge", json={"cost": cost})
+
+    async def effect_call(self, sid: str, op: str, args: Any, run: Callable[[], Awaitable[Any]], *,
+                          key: str | None = None, lookup: Callable[[str | None], Awaitable[Any]] | None = None,
+                          postcondition: str | None = None, volatile: Sequence[str] = (),
+                          failed_on: tuple[type[BaseException], ...] = ()) -> dict[str, Any]:
+        """`Client.effect_call` with an awaitable `run()` and `lookup()`."""
+        for _ in range(8):
+            d = await self.effect_intent(sid, op, key=key, args=args, postcondition=postcondition, volatile=volatile)
+            step = _effect_step(d, lookup)
+            if step == "replay":
+                return {"decision": "replay", "receipt": d.get("receipt"), "effect": d["match"]}
+            if step == "reconcile":
+                found = await lookup(d["match"]["key"])  # type: ignore[misc]
+                await self.effect_reconcile(d["matched"], "committed" if found is not None else "failed",
+                                            receipt=found)
+                continue
+            eid = d["effect"]["id"]
+            try:
+                receipt = await run()
+            except failed_on as e:
+                await self.effect_fail(eid, f"{type(e).__name__}: {e}")
+                raise
+            except BaseException as e:
+                await self.effect_unknown(eid, f"{type(e).__name__}: {e}")
+                raise
+            return {"decision": "execute", "receipt": receipt,
+                    "effect": await self.effect_commit(eid, receipt=receipt)}
+        raise E.FailedPrecondition(f"effect {op!r} did not settle after 8 reconciles", fix="inspect: crabd effects ls")
 
     async def events(self, since: int = 0, sandbox: str | None = None) -> list[dict[str, Any]]:
         params: dict[str, Any] = {"since": since, "follow": False}

@@ -288,22 +288,11 @@ def test_api_routes_and_input_errors(tmp_path):
 
 # --- the CLI, in process (its Client talks to the real routes through Starlette's TestClient) ---
 def test_cli_effects_and_budget_commands(tmp_path, monkeypatch):
-    from fastapi.testclient import TestClient
     from typer.testing import CliRunner
 
     import crabd.cli as cli
-    from crabd.api import make_app
-    from crabd.client import Client
-    from crabd.daemon import Daemon
 
-    st = Store(tmp_path)
-    st.add_sandbox(SandboxRow(id="sb1", name="sb1", image="busybox", fs_key="k", lineage="sb1", head="sb1-1"))
-    d = Daemon.__new__(Daemon)
-    d.store, d.ledger, d._loop, d._event_waiters = st, Ledger(st), None, set()
-    client = Client.__new__(Client)
-    client.socket = "in-process"
-    client._http = TestClient(make_app(d, token="t0123456789abcdef"), base_url="http://crabd",
-                              headers={"authorization": "Bearer t0123456789abcdef"})
+    st, client, _ = _in_process_clients(tmp_path)
     monkeypatch.setattr(cli, "_client", lambda socket: client)
     run = CliRunner().invoke
 
@@ -330,4 +319,79 @@ def test_cli_effects_and_budget_commands(tmp_path, monkeypatch):
     r = run(cli.app, ["effects", "fail", eid, "--json"])
     assert r.exit_code == 1 and json.loads(r.output)["error"]["code"] == "failed_precondition", r.output
     assert len(Ledger(st).list("sb1")) == 1
+    st.close()
+
+
+def _in_process_clients(tmp_path):
+    """A store with sandbox sb1, and a Client and an AsyncClient talking to the real routes in process."""
+    import httpx
+    from fastapi.testclient import TestClient
+
+    from crabd.api import make_app
+    from crabd.client import AsyncClient, Client
+    from crabd.daemon import Daemon
+
+    st = Store(tmp_path)
+    st.add_sandbox(SandboxRow(id="sb1", name="sb1", image="busybox", fs_key="k", lineage="sb1", head="sb1-1"))
+    d = Daemon.__new__(Daemon)
+    d.store, d.ledger, d._loop, d._event_waiters = st, Ledger(st), None, set()
+    app = make_app(d, token="t0123456789abcdef")
+    auth = {"authorization": "Bearer t0123456789abcdef"}
+    c = Client.__new__(Client)
+    c.socket, c._http = "in-process", TestClient(app, base_url="http://crabd", headers=auth)
+    ac = AsyncClient.__new__(AsyncClient)
+    ac.socket, ac._http = "in-process", httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                                          base_url="http://crabd:7411", headers=auth)
+    return st, c, ac
+
+
+def test_effect_call_helper(tmp_path):
+    import asyncio
+
+    st, c, ac = _in_process_clients(tmp_path)
+    ran: list[str] = []
+
+    def run(receipt: dict):
+        return lambda: ran.append(receipt["id"]) or receipt
+
+    mail = {"to": "bob", "body": "hi"}
+    r = c.effect_call("sb1", "email.send", dict(mail, request_id="u1"), run({"id": "m1"}), key="u1")
+    assert (r["decision"], r["receipt"], r["effect"]["state"]) == ("execute", {"id": "m1"}, "committed")
+    r = c.effect_call("sb1", "email.send", dict(mail, request_id="u2"), run({"id": "m2"}), key="u2")
+    assert (r["decision"], r["receipt"]) == ("replay", {"id": "m1"}) and ran == ["m1"]
+
+    def timeout():
+        raise TimeoutError("no answer in 30 s")
+    with pytest.raises(TimeoutError):
+        c.effect_call("sb1", "pay", {"amount": 5}, timeout, key="p1")
+    assert c.effects("sb1", op="pay")[0]["state"] == "unknown"          # a timeout is not a failure
+    with pytest.raises(FailedPrecondition):                            # unknown outcome, no way to check
+        c.effect_call("sb1", "pay", {"amount": 5}, run({"id": "x"}), key="p2")
+    seen: list = []
+    r = c.effect_call("sb1", "pay", {"amount": 5}, run({"id": "x"}), key="p2",
+                      lookup=lambda k: seen.append(k) or {"id": "found"})
+    assert (r["decision"], r["receipt"], seen, ran) == ("replay", {"id": "found"}, ["p1"], ["m1"])
+
+    def refused():
+        raise ValueError("card declined")
+    with pytest.raises(ValueError):
+        c.effect_call("sb1", "refund", {"amount": 1}, refused, failed_on=(ValueError,))
+    assert c.effects("sb1", op="refund")[0]["state"] == "failed"
+    assert c.effect_call("sb1", "refund", {"amount": 1}, run({"id": "r1"}))["decision"] == "execute"
+
+    c.set_effect_policy("sb1", "email.send", "ask")
+    with pytest.raises(FailedPrecondition) as ei:
+        c.effect_call("sb1", "email.send", mail, run({"id": "m3"}))
+    assert "force=True" in (ei.value.fix or "")
+
+    async def arun() -> dict:
+        return {"id": "a1"}
+
+    async def go() -> tuple[dict, dict]:
+        a = await ac.effect_call("sb1", "chat.post", {"text": "x"}, arun, key="a1")
+        b = await ac.effect_call("sb1", "chat.post", {"text": "x"}, arun, key="a2")
+        await ac.aclose()
+        return a, b
+    a, b = asyncio.run(go())
+    assert (a["decision"], b["decision"], b["receipt"]) == ("execute", "replay", {"id": "a1"})
     st.close()
