@@ -27,7 +27,7 @@ from langchain_core.runnables import RunnableConfig
 from langgraph.graph import END, START, StateGraph
 from langgraph.graph.message import add_messages
 
-from crabd.client import Client
+from crabd.client import AsyncClient, Client
 from crabd.integrations.langgraph import CrabdCheckpointSaver, record_of
 from crabd.testing import DaemonHandle, cleanup_state_dir
 
@@ -141,9 +141,13 @@ def test_conformance_subset_against_the_daemon(daemon):
     c = daemon.client()
     before = {s["id"] for s in c.sandboxes()}
 
-    @checkpointer_test(name="CrabdCheckpointSaver(crabd daemon)")
+    @checkpointer_test(name="CrabdCheckpointSaver(crabd daemon, AsyncClient)")
     async def factory() -> Any:
-        yield CrabdCheckpointSaver(c, image="busybox")
+        ac = AsyncClient(daemon.socket)  # the suite calls the async API: aput, aget_tuple, ...
+        try:
+            yield CrabdCheckpointSaver(c, aclient=ac, image="busybox")
+        finally:
+            await ac.aclose()
 
     report = asyncio.run(validate(factory, capabilities={"get_tuple", "delete_thread"}))
     report.print_report()
