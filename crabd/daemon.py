@@ -251,6 +251,13 @@ class Daemon:
         for info in list(self.fs.walk()):
             if info.name.startswith(("root-", "import-")) and info.name not in used:
                 self._remove_snapshot(info.name)
+        # Checkpoint snapshots no row names any more (a destroy that could not
+        # remove one while a standby still stacked on it): newest first, so
+        # children go before their parents.
+        for info in reversed(list(self.fs.walk())):
+            if getattr(info.kind, "value", info.kind) == "committed" and not info.name.startswith("img-") \
+                    and self.store.fs_snapshot_refs(info.name) == 0:
+                self._remove_snapshot(info.name)
 
     # --- events -------------------------------------------------------------------------
     def _event(self, kind: str, sandbox_id: str | None = None, **data: Any) -> None:
@@ -699,6 +706,10 @@ class Daemon:
         except Exception as e:  # recorded; never take the daemon down
             log.exception("checkpoint %s failed", ck.id)
             await asyncio.to_thread(self.store.fail_checkpoint, ck.id, str(e))
+            try:  # a snapshot or process image it made before failing goes too
+                await asyncio.to_thread(self._drop_capture_leftovers, ck)
+            except Exception as e2:
+                log.warning("cleaning up after checkpoint %s: %s", ck.id, e2)
             self._event("checkpoint.failed", sid, checkpoint=ck.id, error=str(e))
         else:
             if extra is not None:
@@ -982,7 +993,10 @@ class Daemon:
             self._remove_snapshot(c.fs_snapshot)
         self._event("checkpoint.deleted", c.sandbox_id, checkpoint=cid)
 
-    def diff(self, a: str, b: str, owner: str | None = None) -> dict[str, Any]:
+    def diff(self, a: str, b: str, owner: str | None = None, limit: int = 10_000) -> dict[str, Any]:
+        """The changes from checkpoint `a` to `b`, the first `limit` of them
+        (a sandbox can make a million: the reply stays bounded; `total` and
+        `truncated` say how many there were)."""
         ca, cb = self.store.get_checkpoint(a), self.store.get_checkpoint(b)
         for c in (ca, cb):
             self._own(self.store.get_sandbox(c.sandbox_id), owner)
@@ -991,7 +1005,8 @@ class Daemon:
         for c in (ca, cb):  # a diff reads both snapshots: both must be what was committed
             self._verify_checkpoint(c, processes=False)
         changes = self.fs.diff(ca.fs_snapshot, cb.fs_snapshot) if ca.fs_snapshot != cb.fs_snapshot else []
-        return {"from": a, "to": b, "changes": [_change_dict(ch) for ch in changes]}
+        return {"from": a, "to": b, "changes": [_change_dict(ch) for ch in changes[:limit]],
+                "total": len(changes), "truncated": len(changes) > limit}
 
     # --- rollback and fork -------------------------------------------------------------------
     async def rollback(self, ref: str, checkpoint: str | int | None, owner: str | None = None,
@@ -1144,6 +1159,8 @@ class Daemon:
         does not undo. The stretch abandoned runs from the head back to `ck`,
         or to the head's last common ancestor with `ck` when `ck` is on
         another line."""
+        if not self.ledger.has_effects(sid):  # the common case: no walk on the rollback's path
+            return {"committed_after": [], "unknown": []}
         keep: set[str] = set()
         cid: str | None = ck.id
         while cid:

@@ -26,6 +26,7 @@ __all__ = ["host_criu", "needs_sockopt_shim"]
 
 _SHIM_SRC = Path(__file__).with_name("criu_sockopt_shim.c")
 _lock = threading.Lock()
+_build_lock = threading.Lock()
 _cache: dict[tuple[str, str], str] = {}
 
 
@@ -44,11 +45,17 @@ def host_criu(cache_dir: str | os.PathLike[str], criu: str = "criu",
     with _lock:
         if key in _cache:
             return _cache[key]
-    info = check_criu(runner or SubprocessCommandRunner(), criu)
-    if not needs_sockopt_shim(info.version, platform.release()):
-        result = criu
-    else:
-        result = _build_wrapper(Path(cache_dir), criu)
+    # One build at a time: two threads building into the same cache dir
+    # would race on its temporary file (seen as a failed first checkpoint).
+    with _build_lock:
+        with _lock:
+            if key in _cache:
+                return _cache[key]
+        info = check_criu(runner or SubprocessCommandRunner(), criu)
+        if not needs_sockopt_shim(info.version, platform.release()):
+            result = criu
+        else:
+            result = _build_wrapper(Path(cache_dir), criu)
     with _lock:
         _cache[key] = result
     return result

@@ -54,7 +54,7 @@ from .cgroups import Freezer
 from .sandbox import Runtime, Sandbox
 
 __all__ = ["ProcessCheckpoint", "Standby", "checkpoint_processes", "restore_processes", "rollback_processes",
-           "prepare_standby", "promote_standby", "discard_standby", "list_standbys", "make_room_for_standby", "gc_scratch",
+           "prepare_standby", "promote_standby", "discard_standby", "list_standbys", "remove_standby_leftovers", "make_room_for_standby", "gc_scratch",
            "CheckpointableRunner"]
 
 
@@ -544,6 +544,69 @@ def _after_promotion(rt: Runtime, sb: Sandbox, st: Standby, src_rel: str, paths:
     if not is_mountpoint(str(st.bundle / "rootfs")):
         shutil.rmtree(st.dir, ignore_errors=True)
     _rmdir_if_empty(st.dir.parent)
+
+
+def remove_standby_leftovers(rt: Runtime) -> list[str]:
+    """After a crash: remove every standby directory, also those a prepare
+    killed midway left without standby.json (list_standbys skips them):
+    their runc container, stopped tasks, cgroups and mounts. Returns the
+    directories removed."""
+    from deltafs.mount import mountinfo
+    from .cgroups import CGROUP_ROOT
+    base = rt.state_dir / "standbys"
+    out: list[str] = []
+    for sd in (sorted(base.iterdir()) if base.is_dir() else []):
+        if not sd.is_dir():
+            continue
+        for d in sorted(sd.iterdir()):
+            st = Standby(sd.name, "", d.name, d, [], 0, 0, 0.0)
+            if (st.runc_root / sd.name).exists():
+                try:
+                    _runc(rt, st.runc_root).delete(sd.name, force=True)
+                except Exception:  # noqa: BLE001 -- best effort; the cgroups below are swept anyway
+                    pass
+            cgs = [c / st.cgroup_rel.lstrip("/") for c in CGROUP_ROOT.iterdir()]
+            cgs = [c for c in cgs if c.is_dir()]
+            for c in cgs:  # thaw (a frozen task ignores SIGKILL until thawed), then kill
+                for name, val in (("freezer.state", "THAWED"), ("cgroup.freeze", "0")):
+                    try:
+                        (c / name).write_text(val)
+                    except OSError:
+                        pass
+            for c in cgs:
+                try:
+                    pids = [int(x) for x in (c / "cgroup.procs").read_text().split()]
+                except (OSError, ValueError):
+                    pids = []
+                for pid in pids:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            real = str(d.resolve())
+            for m in sorted((m.target for m in mountinfo() if m.target.startswith(real + "/")),
+                            key=len, reverse=True):
+                try:
+                    unmount(m, detach=True)
+                except OSError:
+                    pass
+            deadline = time.monotonic() + 5
+            for c in cgs:
+                while True:
+                    try:
+                        os.rmdir(c)
+                        break
+                    except FileNotFoundError:
+                        break
+                    except OSError:
+                        if time.monotonic() > deadline:
+                            break
+                        time.sleep(0.05)  # killed tasks still exiting
+            if not any(m.target.startswith(real + "/") for m in mountinfo()):
+                shutil.rmtree(d, ignore_errors=True)
+            out.append(str(d))
+        _rmdir_if_empty(sd)
+    return out
 
 
 def _rmdir_if_empty(d: Path) -> None:
