@@ -311,6 +311,9 @@ class Ledger:
         r = self.store._db.execute("SELECT * FROM effects WHERE id=?", (eid,)).fetchone()
         return self._row(r)
 
+    def has_effects(self, sid: str) -> bool:
+        return bool(self._q("SELECT 1 FROM effects WHERE sandbox_id=? LIMIT 1", (sid,)))
+
     def get(self, eid: str) -> dict[str, Any]:
         rows = self._q("SELECT * FROM effects WHERE id=?", (eid,))
         if not rows:
