@@ -20,7 +20,7 @@ overlay: `{"driver": "overlay", "layer", "digest", "hashed_bytes",
   every entry in sorted order its relative path, type and mode, uid, gid,
   size, mtime (ns), device number, symlink target, extended attributes
   (overlay whiteouts and opaque markers included), and the blake3 of its
-  content for regular files while the content budget lasts (default 256
+  content for regular files while the content budget lasts (default 64
   MiB per layer; files past it are covered by their stat only, counted in
   `stat_only`). The lower layers are the parent snapshots' top layers, each
   with its own seal: a caller checks the whole line by checking every
@@ -46,7 +46,7 @@ from .snapshotter import Kind, Snapshotter
 
 __all__ = ["seal", "check_seal", "SealBroken", "subvol_info", "layer_digest", "CONTENT_BUDGET"]
 
-CONTENT_BUDGET = 256 << 20
+CONTENT_BUDGET = 64 << 20
 _GET_SUBVOL_INFO = (2 << 30) | (504 << 16) | (0x94 << 8) | 60   # _IOR(0x94, 60, 504 bytes)
 _SUBVOL_GETFLAGS = (2 << 30) | (8 << 16) | (0x94 << 8) | 25     # _IOR(0x94, 25, u64)
 _SUBVOL_RDONLY = 1 << 1
