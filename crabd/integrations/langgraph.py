@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import threading
 from collections.abc import AsyncIterator, Collection, Generator, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
@@ -71,6 +72,8 @@ from ..client import AsyncClient, Client
 from ..errors import FailedPrecondition, NotFound
 
 __all__ = ["CrabdCheckpointSaver", "META_KEY", "record_of"]
+
+log = logging.getLogger("crabd.integrations.langgraph")
 
 META_KEY = "crabd"
 # LangGraph's Pregel loop puts its Runtime object into the config of the reads
@@ -141,6 +144,7 @@ class CrabdCheckpointSaver(BaseCheckpointSaver[Any]):
         # (thread, ns, graph checkpoint) -> (sandbox, crabd checkpoint) pinned for it
         self._pins: dict[tuple[str, str, str], tuple[str, str]] = {}
         self._locks: dict[str, threading.Lock] = {}  # sandbox -> lock around recording it
+        self._rollbacks: dict[str, dict[str, Any]] = {}  # thread -> crabd's reply to its last rollback
 
     # --- public helpers ------------------------------------------------------------------
     def bind(self, thread_id: str, sandbox_id: str) -> None:
@@ -158,6 +162,12 @@ class CrabdCheckpointSaver(BaseCheckpointSaver[Any]):
 
     async def asandbox_for(self, config: RunnableConfig) -> str:
         return await self._adrive(self._l_sandbox_for(config))
+
+    def last_rollback(self, thread_id: str) -> dict[str, Any] | None:
+        """crabd's reply to the last rollback this saver made for the thread
+        (checkpoint, branch, `effects_not_undone`: external effects after the
+        checkpoint that a file-system rollback cannot take back), or None."""
+        return self._rollbacks.get(str(thread_id))
 
     def fork_thread(self, config: RunnableConfig, thread_id: str) -> RunnableConfig:
         """Start thread `thread_id` from the graph checkpoint `config` names
@@ -349,9 +359,13 @@ class CrabdCheckpointSaver(BaseCheckpointSaver[Any]):
         sb = yield _crabd("sandbox", sid)
         if sb.get("head") != target or sb.get("status") not in ("running", "paused"):  # paused: a capture
             try:
-                yield _crabd("rollback", sid, target)
+                out = yield _crabd("rollback", sid, target)
             except NotFound as e:
                 raise self._gone(thread, tup, rec) from e
+            self._rollbacks[thread] = out
+            if out and out.get("effects_not_undone"):
+                log.warning("thread %s: sandbox %s rolled back to %s; external effects after it were not "
+                            "undone: %s", thread, sid, target, out["effects_not_undone"])
         self._recorded[sid] = target
 
     @staticmethod
@@ -418,7 +432,7 @@ class CrabdCheckpointSaver(BaseCheckpointSaver[Any]):
 
     def _forget(self, thread: str) -> list[str]:
         owned = self._owned.pop(thread, [])
-        for m in (self._sandbox, self._at, self._run):
+        for m in (self._sandbox, self._at, self._run, self._rollbacks):
             m.pop(thread, None)
         for key in [k for k in self._forks if k[0] == thread]:
             del self._forks[key]

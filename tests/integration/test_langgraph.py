@@ -194,6 +194,7 @@ def test_agent_crash_resume_from_earlier_checkpoint_and_fork(daemon):
         if i == 0:
             seen.append(sandbox_files(c, sid))
     assert seen == [expected_files(2)]
+    assert saver.last_rollback("agent-1")["checkpoint"] == record_of(saver.get_tuple(after(2).config))["checkpoint"]
     assert sandbox_files(c, sid) == expected_files(len(EDITS))
     final = graph.get_state(cfg).values["messages"][-1]
     assert final.content == "all edits done"

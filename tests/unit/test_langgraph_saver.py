@@ -86,7 +86,7 @@ class FakeCrabd:
         if ck["sandbox"] != sid:
             raise FailedPrecondition(f"checkpoint {checkpoint} belongs to {ck['sandbox']}")
         sb["files"], sb["head"] = dict(ck["files"]), checkpoint
-        return {"sandbox": sid, "checkpoint": checkpoint}
+        return {"sandbox": sid, "checkpoint": checkpoint, "effects_not_undone": []}
 
     def fork(self, cid: str, count: int = 1) -> dict[str, Any]:
         self.calls.append("fork")
@@ -187,6 +187,7 @@ def test_run_records_each_checkpoint_and_time_travel_rolls_back() -> None:
     fake.calls.clear()
     out = graph.invoke(None, at2.config)
     assert fake.calls.count("rollback") == 1, fake.calls  # the superseded-check read did not roll back again
+    assert saver.last_rollback("t1")["checkpoint"] == record_of(saver.get_tuple(at2.config))["checkpoint"]
     assert out["n"] == 4 and fake.files(sid) == _files_at(4)
     assert out["log"] == [f"step {i}" for i in range(1, 5)]
 
