@@ -208,6 +208,10 @@ class Daemon:
         except Exception:
             pass
         self.fs.close()
+        try:
+            self.ledger.flush()  # exec wall time not yet written (crabd/effects.py)
+        except CrabdError as e:
+            log.warning("writing the budgets' wall time at stop failed: %s", e)
         self.store.close()
 
     def _recover_pending(self) -> None:
@@ -1137,10 +1141,10 @@ class Daemon:
 
     # --- effects ledger and budgets (crabd/effects.py) ---------------------------------------
     def _ledger_after_turn(self, row: SandboxRow, turn: int, ck: CheckpointRow, effects: Any, wall_s: float) -> None:
-        """Charge the turn's wall time; record what the inspector saw leave
+        """Count the turn's wall time; record what the inspector saw leave
         the sandbox as unmanaged effects of the turn (made from its parent)."""
         try:
-            self.ledger.charge(row.lineage, wall_s=wall_s)
+            self.ledger.add_wall(row.lineage, wall_s)
             # Without BPF every turn is external_unknown (short-lived
             # connections are invisible to /proc): an `unseen` row per turn
             # would say nothing new, so only BPF's lost events write one.
@@ -1336,6 +1340,12 @@ class Daemon:
             self._discard_standby_locked(sid)
             if not target.proc_image or not target.fs_snapshot:
                 return  # no processes to keep warm: a rollback starts a fresh init anyway
+            from .store import IntegrityError
+            try:  # CRIU never parses an image whose seal does not hold, not even into a standby
+                self._verify_checkpoint(target)
+            except IntegrityError as e:
+                self._event("standby.skipped", sid, checkpoint=target.id, reason=e.message)
+                return
             m = self.images.manifest(target.proc_image)
             new = StandbyRecord(sid, target.id, sum(f.size for f in m.files if f.name.startswith("pages-")),
                                 time.time())
