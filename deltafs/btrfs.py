@@ -128,6 +128,8 @@ def btrfs_available() -> bool:
 
 class BtrfsSnapshotter(Snapshotter):
     driver = "btrfs"
+    _usage_unlocked = True  # a committed snapshot is a read-only subvolume
+    _prepare_unlocked = True  # preparing = syncfs of the pool
 
     def __init__(self, state_dir: str, pool_size: int = DEFAULT_POOL_SIZE) -> None:
         self._snap_fd = -1

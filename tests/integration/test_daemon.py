@@ -23,7 +23,7 @@ from crabd.client import Client
 from crabd.errors import FailedPrecondition, NotFound
 from crabd.runtime import Runtime
 
-from crabd.testing import DaemonHandle, cleanup_state_dir
+from crabd.testing import CRABD, DaemonHandle, cleanup_state_dir
 
 @pytest.fixture(scope="module")
 def crabd(runtime, busybox_image, debian_image):
@@ -44,10 +44,13 @@ def crabd(runtime, busybox_image, debian_image):
 
 
 def wait_captured(c: Client, sid: str, timeout: float = 30) -> list[dict]:
+    """The sandbox's checkpoints once committed and sized (`bytes` is filled in
+    after the commit, as idle work, and is part of the digest)."""
     deadline = time.monotonic() + timeout
     while True:
         cks = c.checkpoints(sid)
-        if all(k["state"] == "committed" for k in cks) or time.monotonic() > deadline:
+        if all(k["state"] == "committed" and (k["seq"] == 0 or "size" in k["durations"]) for k in cks) \
+                or time.monotonic() > deadline:
             return cks
         time.sleep(0.05)
 

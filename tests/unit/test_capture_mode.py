@@ -86,3 +86,31 @@ def test_full_copy_rejects_dotdot(tmp_path):
     (tmp_path / "r").mkdir()
     with pytest.raises(ValueError):
         write_full_copy(tmp_path / "r", [b"../x"], [], tmp_path / "o.tar")
+
+
+def test_late_bytes_are_signed(tmp_path):
+    """A checkpoint's bytes, filled in after its commit, keep its digest valid;
+    a later change behind crabd's back is still caught."""
+    import sqlite3
+
+    from crabd.errors import NotFound
+    from crabd.store import CheckpointRow, IntegrityError, SandboxRow, Store
+    s = Store(tmp_path)
+    try:
+        s.add_sandbox(SandboxRow(id="sb-1", name="one", image="img", fs_key="root-1", lineage="sb-1"))
+        s.add_checkpoint(CheckpointRow(id="sb-1-1", sandbox_id="sb-1", seq=1, parent=None, branch=0, turn=1,
+                                       plan="FS", fs_snapshot="snap-1"))
+        s.commit_checkpoint("sb-1-1", durations={"total": 0.1})
+        row = s.set_checkpoint_bytes("sb-1-1", 12345, {"size": 0.5})
+        assert row.bytes == 12345 and row.durations == {"total": 0.1, "size": 0.5}
+        got = s.get_checkpoint("sb-1-1", verify=True)
+        assert got.bytes == 12345 and got.digest == row.digest
+        db = sqlite3.connect(tmp_path / "crabd.db")
+        db.execute("UPDATE checkpoints SET bytes=1 WHERE id='sb-1-1'")
+        db.commit()
+        with pytest.raises(IntegrityError):
+            s.get_checkpoint("sb-1-1", verify=True)
+        with pytest.raises(NotFound):
+            s.set_checkpoint_bytes("sb-1-9", 1)
+    finally:
+        s.close()
