@@ -125,7 +125,7 @@ class Chaos:
         # In a sandbox with background processes, each turn also leaves one
         # running (a process made in the turn alive at its end: FS_PROC for
         # either inspector).
-        bg = "nohup sleep 20 >/dev/null 2>&1 </dev/null & " if self.sandboxes.get(sid) else ""
+        bg = "setsid sleep 20 >/dev/null 2>&1 </dev/null & " if self.sandboxes.get(sid) else ""
         r = c.exec(sid, f"{bg}mkdir -p /data && echo {self.n}-{self.rng.random()} > /data/f{self.n} && {DIGEST}",
                    timeout=60)
         if r.get("exit_code", 0) == 0:
@@ -136,7 +136,7 @@ class Chaos:
             return
         a = c.create_sandbox("busybox")["id"]
         b = c.create_sandbox("busybox")["id"]
-        c.exec(b, "nohup sh -c 'while :; do sleep 0.2; done' >/dev/null 2>&1 </dev/null &", timeout=60)
+        c.exec(b, "setsid sh -c 'while :; do sleep 0.2; done' >/dev/null 2>&1 </dev/null &", timeout=60)
         self.sandboxes = {a: False, b: True}
         for sid in (a, b):
             self.write_turn(c, sid)

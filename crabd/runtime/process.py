@@ -107,7 +107,9 @@ class Standby:
 
 
 def _runc(rt: Runtime, root: Path | None = None) -> Runc:
-    criu = host_criu(rt.state_dir / "deltacr")
+    # CRABD_CRIU: the CRIU command runc runs (default `criu` on PATH); tests
+    # point it at a wrapper that makes CRIU fail (tests/integration/test_criu_failure.py).
+    criu = host_criu(rt.state_dir / "deltacr", criu=os.environ.get("CRABD_CRIU") or "criu")
     return Runc(root or rt.runc_root, runc=rt.runc_bin, criu=criu)
 
 

@@ -1,0 +1,123 @@
+"""CRIU failing mid-dump and mid-restore, injected through CRABD_CRIU: a
+wrapper around the real CRIU that, as a control file says, exits non-zero
+or SIGKILLs CRIU (and itself) while it runs, for the operation runc asked
+for (it reads its parent runc's command line: checkpoint, restore, or a
+standby's restore under <state>/standbys/).
+
+Expected: a failed dump leaves the sandbox running and the checkpoint
+committed with its files and the CRIU error in its reasons (no process
+image); a failed restore starts a fresh init on the checkpoint's files with
+a `sandbox.restore_failed` event; nothing committed is lost.
+
+The wrapper refuses every hot-standby restore, so each rollback runs a
+CRIU restore of its own. The daemon runs with the /proc inspector (which never plans FS_PROC) in
+capture mode full, so every turn dumps the sandbox's processes.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+WRAPPER = r"""#!/bin/sh
+# test_criu_failure: CRIU that fails on demand (see CTRL)
+REAL="{real}"
+CTRL="{ctrl}"
+parent=$(tr '\0' ' ' < /proc/$PPID/cmdline 2>/dev/null)
+op=other
+case "$parent" in
+  *" checkpoint "*) op=dump ;;
+  *"/standbys/"*) op=standby ;;
+  *" restore "*) op=restore ;;
+esac
+mode=$(cat "$CTRL" 2>/dev/null)
+echo "$op $mode" >> "$CTRL.log"
+# no hot standbys: every rollback below must run a CRIU restore
+if [ "$op" = standby ]; then echo "Error (test wrapper): standbys refused" >&2; exit 1; fi
+case "$mode" in
+  "$op-exit")
+    echo "Error (test wrapper): injected CRIU failure in $op" >&2
+    exit 1 ;;
+  "$op-kill")
+    "$REAL" "$@" &
+    pid=$!
+    sleep 0.05
+    kill -9 "$pid"
+    kill -9 $$ ;;
+esac
+exec "$REAL" "$@"
+"""
+
+
+def _wait(pred, what: str, timeout: float = 120):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def _committed(c, cid: str) -> dict:
+    return _wait(lambda: (lambda ck: ck if ck["state"] != "pending" else None)(c.checkpoint(cid)),
+                 f"checkpoint {cid} to settle")
+
+
+def test_criu_fails_mid_dump_and_mid_restore(start_daemon, tmp_path):
+    real = shutil.which("criu")
+    assert real, "criu missing: run scripts/setup-host"
+    ctrl = tmp_path / "criu.mode"
+    ctrl.write_text("")
+    wrapper = tmp_path / "criu-wrapper"
+    wrapper.write_text(WRAPPER.replace("{real}", real).replace("{ctrl}", str(ctrl)))
+    wrapper.chmod(0o755)
+    cfg = tmp_path / "config.toml"
+    cfg.write_text('capture = "full"\n')
+    d = start_daemon(args=["--config", str(cfg)], env={"CRABD_CRIU": str(wrapper), "CRABD_INSPECTOR": "proc"})
+    c = d.client()
+    sid = c.create_sandbox("busybox")["id"]
+    c.exec(sid, "setsid sh -c 'while :; do sleep 0.2; done' >/dev/null 2>&1 </dev/null &")
+    assert "while" in c.exec(sid, "ps -o args")["stdout"], "the background loop did not start"
+    good = c.exec(sid, "echo one > /root/f && cat /root/f")
+    assert "while" in c.exec(sid, "ps -o args")["stdout"], "the background loop died in a good dump"
+    ck_good = _committed(c, good["checkpoint"])
+    assert ck_good["state"] == "committed" and ck_good["proc_image"], ck_good
+
+    for mode in ("dump-exit", "dump-kill"):
+        ctrl.write_text(mode)
+        r = c.exec(sid, f"echo {mode} > /root/f && cat /root/f")
+        ck = _committed(c, r["checkpoint"])
+        ctrl.write_text("")
+        # the dump failed: files committed, no process image, CRIU's failure said
+        assert ck["state"] == "committed", (mode, ck)
+        assert not ck["proc_image"], (mode, ck)
+        assert any("process image not captured" in x for x in ck["reasons"]), (mode, ck["reasons"])
+        # the sandbox kept running, its background process too
+        assert c.sandbox(sid)["status"] == "running"
+        assert c.exec(sid, "cat /root/f")["stdout"].strip() == mode
+        assert "while" in c.exec(sid, "ps -o args")["stdout"], f"the background loop died after {mode}"
+    assert "dump dump-kill" in (tmp_path / "criu.mode.log").read_text(), "the wrapper never saw a dump"
+
+    # mid-restore: roll back to the good checkpoint (it has a process image)
+    ev0 = max((e["seq"] for e in c.events()), default=0)
+    for mode in ("restore-exit", "restore-kill"):
+        ctrl.write_text(mode)
+        out = c.rollback(sid, ck_good["id"])
+        ctrl.write_text("")
+        assert out["checkpoint"] == ck_good["id"]
+        assert out["restored"] == "fs", (mode, out)
+        info = c.sandbox(sid)
+        assert info["status"] == "running", info
+        # the checkpoint's files, a fresh init (the background loop is gone)
+        assert c.exec(sid, "cat /root/f")["stdout"].strip() == "one"
+        assert "while" not in c.exec(sid, "ps -o args")["stdout"]
+    evs = [e for e in c.events(since=ev0) if e["kind"] == "sandbox.restore_failed"]
+    assert len(evs) == 2, f"want one sandbox.restore_failed per failed restore: {evs}"
+    assert evs[0]["data"]["checkpoint"] == ck_good["id"] and evs[0]["data"].get("fallback"), evs[0]
+    # nothing lost: every committed checkpoint is still there
+    states = {ck["id"]: ck["state"] for ck in c.checkpoints(sid)}
+    assert states.get(ck_good["id"]) == "committed"
+    assert c.exec(sid, "echo after > /root/g && cat /root/g")["stdout"].strip() == "after"
+    Path(ctrl).unlink()
