@@ -57,10 +57,10 @@ class PolicyIn(BaseModel):
 
 class BudgetIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    turns: int | None = Field(None, ge=0)
-    wall_s: float | None = Field(None, ge=0)
-    cost: float | None = Field(None, ge=0)
-    retries: int | None = Field(None, ge=0)
+    turns: int | None = Field(None, ge=0, le=10**15)
+    wall_s: float | None = Field(None, ge=0, le=1e15)
+    cost: float | None = Field(None, ge=0, le=1e15)
+    retries: int | None = Field(None, ge=0, le=10**15)
 
 
 class ChargeIn(BaseModel):

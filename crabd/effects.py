@@ -268,6 +268,11 @@ class Ledger:
 
     def __init__(self, store: Any) -> None:
         self.store = store
+        # Exec wall time not yet written, per lineage: it lands with the next
+        # budget write (the next turn's count, at the latest), which saves a
+        # synchronous commit per exec; a kill -9 loses at most the last
+        # turn's wall time (its turn was counted before it ran). flush() at stop.
+        self._unsaved_wall: dict[str, float] = {}
 
     # The ledger's tables live in the store's database: it uses the store's
     # connection and lock (the same serialisation the store's own calls use).
@@ -481,20 +486,39 @@ class Ledger:
         if r is None:
             d: dict[str, Any] = {k: None for k in _BUDGET_COLS}
             d.update(lineage=lineage, used_turns=0, used_wall_s=0.0, used_cost=0.0, used_retries=0, updated_at=0.0)
+            d["used_wall_s"] += self._unsaved_wall.get(lineage, 0.0)
             return d
         d = {k: r[k] for k in _BUDGET_COLS}
         if not r["digest"] or not secrets.compare_digest(r["digest"], self.store.sign(d)):
             from .store import IntegrityError
             raise IntegrityError(f"the budget of lineage {lineage} does not match its digest",
                                  fix="it was modified outside crabd; set it again: crabd budget set")
+        d["used_wall_s"] += self._unsaved_wall.get(lineage, 0.0)
         return d
 
     def _write_budget(self, d: dict[str, Any]) -> None:
+        """Write a row read by _budget_row under the same lock hold (it holds the unsaved wall time)."""
         d = dict(d, updated_at=time.time())
+        # The types SQLite gives back (REAL columns return floats), so the
+        # digest signed now is the one computed on read.
+        for k in ("max_wall_s", "max_cost", "used_wall_s", "used_cost"):
+            d[k] = None if d[k] is None else float(d[k])
         cols = (*_BUDGET_COLS, "digest")
         self.store._db.execute(
             f"INSERT OR REPLACE INTO budgets ({','.join(cols)}) VALUES ({','.join('?' * len(cols))})",
             [*(d[k] for k in _BUDGET_COLS), self.store.sign({k: d[k] for k in _BUDGET_COLS})])
+        self._unsaved_wall.pop(d["lineage"], None)
+
+    def add_wall(self, lineage: str, wall_s: float) -> None:
+        """Count a turn's exec wall time (written with the next budget write)."""
+        with self.store._lock:
+            self._unsaved_wall[lineage] = self._unsaved_wall.get(lineage, 0.0) + wall_s
+
+    def flush(self) -> None:
+        """Write the unsaved wall time (at daemon stop)."""
+        with self.store.transaction():
+            for lineage in list(self._unsaved_wall):
+                self._write_budget(self._budget_row(lineage))
 
     def budget(self, lineage: str) -> dict[str, Any]:
         with self.store._lock:
@@ -505,9 +529,14 @@ class Ledger:
         bad = set(limits) - set(BUDGET_FIELDS)
         if bad:
             raise InvalidArgument(f"unknown budget fields {sorted(bad)}", fix=f"use {', '.join(BUDGET_FIELDS)}")
-        for f, v in limits.items():
-            if v is not None and (not isinstance(v, (int, float)) or v < 0 or not math.isfinite(v)):
-                raise InvalidArgument(f"budget {f} must be a number >= 0, or null for no limit")
+        limits = dict(limits)
+        for f, v in list(limits.items()):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1e15):
+                raise InvalidArgument(f"budget {f} must be a number from 0 to 1e15, or null for no limit")
+            if v is not None and f in ("turns", "retries"):
+                if not float(v).is_integer():
+                    raise InvalidArgument(f"budget {f} must be a whole number, not {v}")
+                limits[f] = int(v)
         with self.store.transaction():
             d = self._budget_row(lineage)
             for f, v in limits.items():
@@ -538,15 +567,17 @@ class Ledger:
         """Before a turn runs: refuse it when the budget is used up, else count
         it (counted first, so a turn that takes crabd down still counts)."""
         with self.store.transaction():
-            b = _budget_view(self._budget_row(lineage))
-            problem = budget_problem(b)
-            if problem is not None:
-                f, why = problem
-                raise BudgetExceeded(
-                    f"sandbox {sid} may not run another turn: {why}; rollbacks, forks and restarts do not reset it",
-                    fix=f"raise the limit: crabd budget set {sid} {_FLAGS[f]} N "
-                        f"(PUT /v1/sandboxes/{sid}/budget), or `{_FLAGS[f]} none` for no limit")
-            self._charge_locked(lineage, turns=1)
+            d = self._budget_row(lineage)
+            problem = budget_problem(_budget_view(d))
+            if problem is None:
+                d["used_turns"] += 1
+            self._write_budget(d)  # the count, or (refused) the wall time so far
+        if problem is not None:
+            f, why = problem
+            raise BudgetExceeded(
+                f"sandbox {sid} may not run another turn: {why}; rollbacks, forks and restarts do not reset it",
+                fix=f"raise the limit: crabd budget set {sid} {_FLAGS[f]} N "
+                    f"(PUT /v1/sandboxes/{sid}/budget), or `{_FLAGS[f]} none` for no limit")
 
 
 def _budget_view(d: dict[str, Any]) -> dict[str, Any]:

@@ -395,3 +395,21 @@ def test_effect_call_helper(tmp_path):
     a, b = asyncio.run(go())
     assert (a["decision"], b["decision"], b["receipt"]) == ("execute", "replay", {"id": "a1"})
     st.close()
+
+
+def test_wall_time_lands_with_the_next_budget_write(ledger):
+    lg, st = ledger
+    lg.add_wall("s1", 1.5)
+    assert lg.budget("s1")["used"]["wall_s"] == 1.5             # shown at once
+    assert Ledger(st).budget("s1")["used"]["wall_s"] == 0        # not written yet (a kill -9 loses it)
+    lg.begin_turn("s1", "s1")                                   # written with the next turn's count
+    assert Ledger(st).budget("s1")["used"] == {"turns": 1, "wall_s": 1.5, "cost": 0, "retries": 0}
+    lg.set_budget("s1", {"wall_s": 2})
+    lg.add_wall("s1", 1.0)
+    with pytest.raises(BudgetExceeded) as ei:                   # 2.5 s used of 2: refused, not counted
+        lg.begin_turn("s1", "s1")
+    assert "--wall-s" in ei.value.fix
+    assert Ledger(st).budget("s1")["used"]["wall_s"] == 2.5 and Ledger(st).budget("s1")["used"]["turns"] == 1
+    lg.add_wall("s1", 0.25)
+    lg.flush()
+    assert Ledger(st).budget("s1")["used"]["wall_s"] == 2.75
