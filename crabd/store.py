@@ -358,11 +358,12 @@ class Store:
         (idle work), and re-sign it: `bytes` is part of the digest."""
         with self._tx():
             row = self._get_checkpoint_unlocked(cid)
+            intact = row.state == "committed" and self._intact(row)
             row.bytes = nbytes
             if durations:
                 row.durations = {**row.durations, **durations}
-            if row.state == "committed":
-                row.digest = self.digest(row)
+            if intact:
+                row.digest = self.digest(row)  # (a tampered row keeps its wrong digest: never launder it)
             d = _encode({"bytes": row.bytes, "durations": row.durations, "digest": row.digest}, _CK_JSON)
             self._db.execute("UPDATE checkpoints SET bytes=?, durations=?, digest=? WHERE id=?", [*d.values(), cid])
         return row
@@ -407,9 +408,11 @@ class Store:
             row = self._get_checkpoint_unlocked(cid)
             for r in self._db.execute("SELECT id FROM checkpoints WHERE parent=?", (cid,)).fetchall():
                 child = self._get_checkpoint_unlocked(r[0])
+                intact = child.state == "committed" and self._intact(child)
                 child.parent = row.parent
-                # The parent is part of the digest: re-sign what crabd itself changed.
-                digest = self.digest(child) if child.state == "committed" else child.digest
+                # The parent is part of the digest: re-sign what crabd itself
+                # changed -- only if the row was intact (never launder a tamper).
+                digest = self.digest(child) if intact else child.digest
                 self._db.execute("UPDATE checkpoints SET parent=?, digest=? WHERE id=?", (row.parent, digest, child.id))
             self._db.execute("UPDATE sandboxes SET head=? WHERE head=?", (row.parent, cid))
             self._db.execute("DELETE FROM checkpoints WHERE id=?", (cid,))
@@ -450,6 +453,9 @@ class Store:
         """The keyed digest of any other signed row (effects, budgets: crabd/effects.py)."""
         canon = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str).encode()
         return blake3.blake3(canon, key=self._key).hexdigest()
+
+    def _intact(self, row: CheckpointRow) -> bool:
+        return bool(row.digest) and secrets.compare_digest(row.digest or "", self.digest(row))
 
     def verify(self, row: CheckpointRow) -> None:
         if row.state != "committed":

@@ -117,3 +117,29 @@ def test_rows_without_seals_keep_their_digest(store: Store) -> None:
     row = store.commit_checkpoint("sb-1-1", fs_snapshot="snap-1")
     assert row.seals is None
     store.verify(store.get_checkpoint("sb-1-1"))
+
+
+def test_crabds_own_re_signing_never_launders_a_tampered_row(tmp_path: Path, store: Store) -> None:
+    # Idle work re-signs rows (sizing fills in `bytes`, retention re-parents
+    # children): a row changed behind crabd's back must stay refused.
+    for seq, parent in ((1, None), (2, "sb-1-1")):
+        c = pending(seq)
+        c.parent = parent
+        store.add_checkpoint(c)
+        store.commit_checkpoint(c.id, fs_snapshot=f"snap-{seq}")
+    db = sqlite3.connect(tmp_path / "crabd.db")
+    db.execute("UPDATE checkpoints SET turn=99 WHERE id='sb-1-2'")
+    db.commit()
+    db.close()
+    store.set_checkpoint_bytes("sb-1-2", 4096, {"size": 0.1})
+    with pytest.raises(IntegrityError):
+        store.verify(store.get_checkpoint("sb-1-2"))
+    store.drop_checkpoint("sb-1-1")  # re-parents sb-1-2
+    with pytest.raises(IntegrityError):
+        store.verify(store.get_checkpoint("sb-1-2"))
+    # An intact row is re-signed as before.
+    c = pending(3)
+    store.add_checkpoint(c)
+    store.commit_checkpoint(c.id, fs_snapshot="snap-3")
+    store.set_checkpoint_bytes("sb-1-3", 8192)
+    store.verify(store.get_checkpoint("sb-1-3"))
