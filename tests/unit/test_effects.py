@@ -413,3 +413,32 @@ def test_wall_time_lands_with_the_next_budget_write(ledger):
     lg.add_wall("s1", 0.25)
     lg.flush()
     assert Ledger(st).budget("s1")["used"]["wall_s"] == 2.75
+
+
+def test_rollback_report_walks_the_abandoned_line(tmp_path):
+    """Daemon._ledger_report on a checkpoint tree: s-0 -> s-1 -> s-2 (branch 0),
+    rolled back to s-1, then s-3 (branch 1); the head s-3 is rolled back to s-2,
+    on the other line: only what was made on the stretch s-1 (branch 1) -> s-3 is
+    reported, not what s-2's own history holds."""
+    from crabd.daemon import Daemon
+    from crabd.store import CheckpointRow
+
+    st = Store(tmp_path)
+    st.add_sandbox(SandboxRow(id="s", name="s", image="busybox", fs_key="k", lineage="s", head="s-3", branch=1))
+    for seq, parent, branch in ((0, None, 0), (1, "s-0", 0), (2, "s-1", 0), (3, "s-1", 1)):
+        st.add_checkpoint(CheckpointRow(id=f"s-{seq}", sandbox_id="s", seq=seq, parent=parent, branch=branch,
+                                        turn=seq, plan="FS", state="committed"))
+    d = Daemon.__new__(Daemon)
+    d.store, d.ledger = st, Ledger(st)
+    made = {}
+    for name, head, branch in (("before_s2", "s-1", 0), ("after_rollback", "s-1", 1), ("after_s3", "s-3", 1),
+                               ("old_line", "s-2", 0)):
+        sb = SandboxRow(id="s", name="s", image="busybox", fs_key="k", lineage="s", head=head, branch=branch)
+        e = d.ledger.intent(sb, "op", key=name, args={"n": name})["effect"]
+        d.ledger.finish(e["id"], "committed")
+        made[e["id"]] = name
+    rep = d._ledger_report("s", st.get_sandbox("s"), st.get_checkpoint("s-2"))
+    assert sorted(made[e["id"]] for e in rep["committed_after"]) == ["after_rollback", "after_s3"]
+    rep = d._ledger_report("s", st.get_sandbox("s"), st.get_checkpoint("s-0"))
+    assert sorted(made[e["id"]] for e in rep["committed_after"]) == ["after_rollback", "after_s3"]  # s-1 b0 line was left before
+    st.close()
