@@ -132,3 +132,68 @@ def test_a_bad_tokens_file_stops_the_daemon_with_the_fix(tmp_path: Path, text: s
     finally:
         h.stop()
         cleanup_state_dir(state)
+
+
+def raw(base: str, request: bytes) -> tuple[int, bytes]:
+    """One HTTP/1.1 request sent byte for byte (no client-side path normalization)."""
+    import socket as socketlib
+    host, port = base.removeprefix("http://").split(":")
+    with socketlib.create_connection((host, int(port)), timeout=60) as s:
+        s.sendall(request)
+        data = b""
+        while b"\r\n\r\n" not in data or len(data) < data.index(b"\r\n\r\n") + 4 + _length(data):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    return int(data.split(b" ", 2)[1]), data.split(b"\r\n\r\n", 1)[1]
+
+
+def _length(data: bytes) -> int:
+    for line in data.split(b"\r\n\r\n", 1)[0].split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return int(line.split(b":", 1)[1])
+    return 0
+
+
+@pytest.mark.parametrize("path", ["/v1/sandboxes/..", "/v1/sandboxes/%2e%2e", "/v1/sandboxes/..%2F..%2Fetc",
+                                  "/v1/sandboxes/a%00b/checkpoints", "/v1/checkpoints/../../etc/passwd",
+                                  "/v1/checkpoints/%2e%2e%2f%2e%2e/diff/x"])
+def test_path_like_ids_are_4xx_on_the_wire(live: Any, path: str) -> None:
+    _, base = live
+    status, body = raw(base, f"GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ALICE}\r\n"
+                             f"Connection: close\r\n\r\n".encode())
+    assert 400 <= status < 500, (path, status, body)
+    assert b'"error"' in body
+
+
+def test_oversized_chunked_body_and_invalid_json_are_4xx_on_the_wire(live: Any) -> None:
+    import json
+    from crabd.api import MAX_BODY
+    _, base = live
+    alice = As(base, ALICE)
+    sid = alice.ok("POST", "/v1/sandboxes", json={"image": "busybox"})["id"]
+    sent = 0
+
+    def chunks():  # no Content-Length: chunked, 32 MiB offered
+        nonlocal sent
+        for _ in range(32):
+            sent += 1 << 20
+            yield b"x" * (1 << 20)
+
+    try:
+        r = alice("POST", f"/v1/sandboxes/{sid}/exec", content=chunks(), headers={"content-type": "application/json"})
+        status = r.status_code
+        assert r.json()["error"]["code"] == "too_large"
+    except httpx.HTTPError:
+        status = 413  # the server may answer and close before the client finished sending
+    assert status == 413
+    for body in (b"{", b'{"cmd": ["echo", "a\\u0000b"]}', b'{"cmd": ["x"], "timeout": true}', b"\xff\xfe"):
+        r = alice("POST", f"/v1/sandboxes/{sid}/exec", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_argument", (body, r.text)
+    r = alice("POST", f"/v1/sandboxes/{sid}/exec", content=json.dumps({"cmd": ["true"], "stdin": "x" * MAX_BODY}),
+              headers={"content-type": "application/json"})
+    assert r.status_code == 413, r.text
+    # The sandbox is fine after all of it.
+    assert alice.ok("POST", f"/v1/sandboxes/{sid}/exec", json={"cmd": ["echo", "ok"]})["stdout"] == "ok\n"
+    alice.ok("DELETE", f"/v1/sandboxes/{sid}")
