@@ -352,8 +352,9 @@ def make_app(daemon: Daemon, *, token: str | None = None, tokens: dict[str, str]
         return {"removed": cid}
 
     @app.get("/v1/checkpoints/{a}/diff/{b}")
-    async def diff(a: Id, b: Id, owner: Owner) -> dict[str, Any]:
-        return await call(daemon.diff, a, b, owner)
+    async def diff(a: Id, b: Id, owner: Owner,
+                   limit: int = Query(10_000, ge=1, le=1_000_000, description="at most this many changes")) -> dict[str, Any]:
+        return await call(daemon.diff, a, b, owner, limit)
 
     @app.post("/v1/sandboxes/{sid}/rollback")
     async def rollback(sid: Id, body: RollbackIn, owner: Owner) -> dict[str, Any]:

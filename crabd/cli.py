@@ -597,6 +597,18 @@ def bench_langgraph(ctx: typer.Context) -> None:
     _bench("saver.py", ctx.args)
 
 
+@bench_app.command("hostile", context_settings=_BENCH_CTX)
+def bench_hostile(ctx: typer.Context) -> None:
+    """Hostile sandboxes: host canary, odd files, fork bomb, full disk (bench/hostile.py; --quick, --json)."""
+    _bench("hostile.py", ctx.args)
+
+
+@bench_app.command("load", context_settings=_BENCH_CTX)
+def bench_load(ctx: typer.Context) -> None:
+    """N sandboxes x M turns: exec overhead p50/p99, daemon RSS, consistency (bench/load.py; --quick, --json)."""
+    _bench("load.py", ctx.args)
+
+
 @bench_app.command("stall", context_settings=_BENCH_CTX)
 def bench_stall(ctx: typer.Context) -> None:
     """Stall, checkpoint latency and end-to-end overhead at 1..N sandboxes, scheduler on/off vs bare runc (bench/stall.py; --sandboxes, --turns, --json)."""

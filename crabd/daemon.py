@@ -225,6 +225,16 @@ class Daemon:
         self._reconcile_runtime()
         self.fs.gc()
 
+    def _record_failure(self, cid: str, msg: str) -> None:
+        """Mark a checkpoint failed; on a full state file system, free the
+        space reserve first so that SQLite has room to record it."""
+        try:
+            self.store.fail_checkpoint(cid, msg)
+        except sqlite3.OperationalError as e:
+            if not _disk_full(e) or not self._release_reserve():
+                raise
+            self.store.fail_checkpoint(cid, msg)
+
     def _drop_capture_leftovers(self, ck: CheckpointRow) -> None:
         """Remove what a capture of `ck` that never committed made: its
         snapshot (named after it; a pending row does not name it yet) and its
@@ -709,12 +719,24 @@ class Daemon:
             await asyncio.to_thread(self.store.fail_checkpoint, ck.id, "cancelled by a rollback")
         except Exception as e:  # recorded; never take the daemon down
             log.exception("checkpoint %s failed", ck.id)
-            await asyncio.to_thread(self.store.fail_checkpoint, ck.id, str(e))
+            code, msg = "checkpoint_failed", str(e)
+            if _disk_full(e):
+                code = "disk_full"
+                msg = (f"disk_full: the state file system is full; checkpoint {ck.id} was not taken and the "
+                       f"sandbox's previous checkpoints are intact: {e} (fix: free space in the state directory "
+                       f"{self.state_dir}: delete files inside the sandbox and old checkpoints or sandboxes; "
+                       "checkpoints resume at the next turn)")
+            await asyncio.to_thread(self._record_failure, ck.id, msg)
             try:  # a snapshot or process image it made before failing goes too
                 await asyncio.to_thread(self._drop_capture_leftovers, ck)
             except Exception as e2:
                 log.warning("cleaning up after checkpoint %s: %s", ck.id, e2)
-            self._event("checkpoint.failed", sid, checkpoint=ck.id, error=str(e))
+            try:
+                self._event("checkpoint.failed", sid, checkpoint=ck.id, error=msg, code=code)
+            except sqlite3.Error as e3:
+                log.warning("recording the failure of checkpoint %s: %s", ck.id, e3)
+            if code == "disk_full":
+                await asyncio.to_thread(self._ensure_reserve)  # again, once there is room
         else:
             if extra is not None:
                 self._schedule_sizing(sid, ck.id, extra)
@@ -1472,6 +1494,19 @@ class Daemon:
         return {"ok": True, "sandboxes": len(self.turns), "uptime_s": round(time.time() - self.started_at, 1),
                 "fs_driver": self.fs.driver, "inspector": getattr(self.inspector, "source", "proc"),
                 "schema_version": SCHEMA_VERSION}
+
+
+def _disk_full(e: BaseException | None) -> bool:
+    """Is `e` (or what caused it) a full or over-quota file system?"""
+    import errno
+    seen = 0
+    while e is not None and seen < 10:
+        text = str(e)
+        if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "disk is full" in text \
+                or "No space left on device" in text or "Disk quota exceeded" in text:
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
 
 
 def _change_dict(ch: Any) -> dict[str, Any]:

@@ -99,6 +99,7 @@ def bind_unix_socket(path: Path) -> socket.socket:
 
 async def serve(settings: Settings) -> None:
     opts = DaemonOptions(auto_rollback=settings.auto_rollback, snapshot_driver=settings.snapshot.driver,
+                         pool_size=int(settings.snapshot.pool_size_gib * 2**30),
                          scheduler=settings.scheduler.policy(), keep_last=settings.retention.keep_last,
                          keep_every=settings.retention.keep_every, capture=settings.capture)
     # CRABD_INSPECTOR=proc: the /proc inspector instead of compiling the BPF

@@ -88,6 +88,10 @@ class SnapshotSettings(_Section):
     driver: Literal["auto", "btrfs", "overlay"] = Field(
         "auto", description="auto: btrfs if the state dir is on btrfs or a loop pool works, else overlay"
     )
+    pool_size_gib: float = Field(
+        20, gt=0.25, description="size of the sparse loop-backed btrfs pool made at first start when the state "
+        "dir is not on btrfs: every sandbox's disk (there is no per-sandbox quota)"
+    )
 
 
 class Settings(_Section):

@@ -71,12 +71,13 @@ def available_drivers() -> dict[str, str | None]:
     return out
 
 
-def open(state_dir: str, driver: str = "auto", **options: object) -> Snapshotter:
+def open(state_dir: str, driver: str = "auto", *, pool_size: int | None = None, **options: object) -> Snapshotter:
     """Open (creating if needed) the snapshot store in `state_dir`.
 
     driver: "btrfs", "overlay" or "auto" (the driver the directory was created
     with; for a new one btrfs when the kernel and btrfs-progs allow, else
-    overlay). btrfs options: pool_size (bytes, sparse; default 20 GiB).
+    overlay). btrfs options: pool_size (bytes, sparse; default 20 GiB; ignored
+by overlay).
     overlay options: max_depth (default 16).
     """
     if driver == "auto":
@@ -86,6 +87,8 @@ def open(state_dir: str, driver: str = "auto", **options: object) -> Snapshotter
     if driver == "btrfs":
         from .btrfs import BtrfsSnapshotter
 
+        if pool_size is not None:  # (a pool that exists keeps its size)
+            options["pool_size"] = pool_size
         return BtrfsSnapshotter(state_dir, **options)  # type: ignore[arg-type]
     if driver == "overlay":
         from .overlay import OverlaySnapshotter

@@ -60,6 +60,13 @@ class Metadata:
     def __init__(self, path: str) -> None:
         try:
             self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=10)
+            # Exclusive before WAL: the WAL index then lives in this process's
+            # heap, not in a shared mmap of a -shm file. A write fault on that
+            # mmap (a copy-on-write state dir that a sandbox filled) is a
+            # SIGBUS that kills the process; a heap index cannot fault, and a
+            # full disk is then an ordinary SQLITE_FULL error. One process
+            # owns a snapshot store anyway (see the snapshotter's lock).
+            self.db.execute("PRAGMA locking_mode=EXCLUSIVE")
             self.db.execute("PRAGMA journal_mode=WAL")
             # NORMAL in WAL mode: a power loss may drop the last transactions
             # but never corrupts; the disk side (gc) copes with either. FULL

@@ -42,6 +42,7 @@ decides the order), and one process at a time owns a state directory
 from __future__ import annotations
 
 import abc
+import contextlib
 import ctypes
 import ctypes.util
 import fcntl
@@ -406,9 +407,20 @@ class Snapshotter(abc.ABC):
 
     def diff(self, a: str | None, b: str) -> list[Change]:
         """Added / modified / deleted paths from snapshot `a` (empty tree when None) to `b`."""
-        with self._lock:
-            old = self._tree(self.meta.get(a)) if a else {}
-            return diff_entries(old, self._tree(self.meta.get(b)))
+        with contextlib.ExitStack() as stack:
+            with self._lock:
+                ra = self.meta.get(a) if a else None
+                rb = self.meta.get(b)
+                pa = stack.enter_context(self._readable(ra)) if ra is not None else None
+                pb = stack.enter_context(self._readable(rb))
+            # Scanning a tree of a million files takes minutes: not under the
+            # store's lock, so other sandboxes' checkpoints go on meanwhile.
+            # What is scanned does not change (committed) or is pinned by the
+            # view mounted above; a concurrent remove fails this scan, it
+            # cannot make it lie.
+            old = scan(pa) if pa is not None else {}
+            new = scan(pb)
+        return diff_entries(old, new)
 
     def remove(self, key: str, *, reparent: bool = False) -> None:
         """Remove any snapshot; refuses while another snapshot has it as parent, or while
