@@ -90,6 +90,8 @@ def service(tmp_path_factory):
     script = tmp_path_factory.mktemp("svc") / "service.py"
     script.write_text(_SERVICE)
     proc = None
+    for leftover in (["netns", "del", ns], ["link", "del", host_if]):  # of a run killed with this pid
+        subprocess.run(["ip", *leftover], capture_output=True, timeout=30)
     try:
         _ip("netns", "add", ns)
         _ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
