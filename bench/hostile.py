@@ -271,14 +271,14 @@ def compare(got: dict[str, str], want: dict[str, str], where: str, problems: lis
 
 
 # --- a state dir whose btrfs pool is small ------------------------------------------------------
-def make_state(workdir: str, mib: int) -> tuple[Path, Path, Path]:
+def make_state(workdir: str, mib: int, driver: str = "btrfs") -> tuple[Path, Path, Path]:
     """A fresh state dir (on the host's file system, as by default) and a
     config whose btrfs loop pool is `mib` MiB: every sandbox's disk."""
     base = Path(tempfile.mkdtemp(prefix="crabd-hostile-", dir=workdir))
     state = base / "state"
     state.mkdir(mode=0o700)
     cfg = base / "crabd.toml"
-    cfg.write_text(f"[snapshot]\ndriver = \"btrfs\"\npool_size_gib = {mib / 1024}\n")
+    cfg.write_text(f"[snapshot]\ndriver = \"{driver}\"\npool_size_gib = {mib / 1024}\n")
     return base, state, cfg
 
 
@@ -331,18 +331,69 @@ class Phases:
         return res
 
 
+def fill_disk(c: Client, ph: "Phases", by: str, problems: list[str], out: dict[str, Any]) -> None:
+    """A sandbox writes until ENOSPC; then: errors say so, the daemon answers,
+    destroying the filler frees the space, checkpoints work again."""
+    fill = c.create_sandbox("busybox", name="filler")["id"]
+    fd: dict[str, Any] = {}
+    r = ph.run("fill_disk", lambda: c.exec(fill, "dd if=/dev/zero of=/root/fill bs=1048576 2>&1; "
+                                                 "echo written=$(stat -c %s /root/fill)", timeout=1800))
+    # The command ran; recording its turn needs room in crabd's own
+    # database on the same file system: a clear "disk full" or the turn.
+    fd["fill_exec"] = ph.out["fill_disk"].get("error") or f"exit {r and r['exit_code']}"
+    w = c.exec(by, "echo x > /root/x 2>&1; echo rc=$?") if not ph.out["fill_disk"].get("error") else None
+    fd["bystander_write_when_full"] = w["stdout"].strip()[-200:] if w else "not tried"
+    ph.run("checkpoint_when_full", lambda: c.create_checkpoint(by))
+    fd["checkpoint_when_full"] = ph.out["checkpoint_when_full"].get("error", "ok")[:300]
+    fd["health_when_full"] = c.health()["ok"]
+    if fd["health_when_full"] is not True:
+        problems.append("daemon unhealthy with a full state file system")
+    for k in ("fill_exec", "checkpoint_when_full"):
+        e = fd[k]
+        if e.startswith("CrabdError") and "disk_full" not in e and "full" not in e:
+            problems.append(f"{k}: an error that does not say the disk is full: {e}")
+    # Freeing: destroying the sandbox that filled it (a rm inside it would
+    # free nothing its checkpoints still hold).
+    ph.run("destroy_filler", lambda: c.delete_sandbox(fill))
+    fd["destroy_filler"] = ph.out["destroy_filler"].get("error", "ok")
+    if fd["destroy_filler"] != "ok":
+        problems.append(f"destroying the sandbox that filled the disk failed: {fd['destroy_filler']}")
+    # btrfs returns a deleted subvolume's blocks in the background (its
+    # cleaner thread): measure how long until the bystander can write.
+    t_free, deadline = time.monotonic(), time.monotonic() + 120
+    while True:
+        try:
+            got = c.exec(by, "rm -f /root/x; echo y > /root/y 2>&1 && echo ok")["stdout"].strip()
+        except CrabdError as e:
+            got = str(e)
+        if got == "ok":
+            break
+        if time.monotonic() > deadline:
+            problems.append(f"no space back 120 s after destroying the filler: {got[-200:]}")
+            break
+        time.sleep(0.5)
+    fd["space_back_s"] = round(time.monotonic() - t_free, 2)
+    ck = ph.run("checkpoint_after_free", lambda: c.create_checkpoint(by))
+    fd["checkpoint_after_free"] = ck["state"] if ck else ph.out["checkpoint_after_free"].get("error")
+    if fd["checkpoint_after_free"] != "committed":
+        problems.append(f"checkpoints do not work again after freeing space: {fd['checkpoint_after_free']}")
+    out["disk_fill"] = fd
+
+
 # --- the run ----------------------------------------------------------------------------------
 def run(a: argparse.Namespace) -> dict[str, Any]:
     files = a.files or (20_000 if a.quick else 1_000_000)
     disk_mib = a.disk_mib or (1536 if a.quick else 16384)
     deep, wide = a.deep, a.wide
     problems: list[str] = []
-    base, state, cfg = make_state(a.workdir, disk_mib)
+    base, state, cfg = make_state(a.workdir, disk_mib, a.driver)
     canary = Canary(a.workdir)
     d = DaemonHandle(state, args=["--config", str(cfg)])
     d.log = base / "daemon.log"  # not on the state file system, which this run fills
     out: dict[str, Any] = {"mode": "quick" if a.quick else "full", "files": files, "deep": deep, "wide": wide,
-                           "sandbox_disk": f"btrfs loop pool of {disk_mib} MiB"}
+                           "driver": a.driver,
+                           "sandbox_disk": f"btrfs loop pool of {disk_mib} MiB" if a.driver == "btrfs" else
+                           f"overlay upper dirs on {a.workdir}'s file system (not filled)"}
     try:
         import_busybox(state)
         d.start()
@@ -454,48 +505,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             problems.append(f"pids limit not seen holding: peak {out['fork_bomb']['pids_peak']}")
 
         # 3. fill the disk (no per-sandbox quota: the state file system is shared)
-        fill = c.create_sandbox("busybox", name="filler")["id"]
-        fd: dict[str, Any] = {}
-        r = ph.run("fill_disk", lambda: c.exec(fill, "dd if=/dev/zero of=/root/fill bs=1048576 2>&1; "
-                                                     "echo written=$(stat -c %s /root/fill)", timeout=1800))
-        # The command ran; recording its turn needs room in crabd's own
-        # database on the same file system: a clear "disk full" or the turn.
-        fd["fill_exec"] = ph.out["fill_disk"].get("error") or f"exit {r and r['exit_code']}"
-        w = c.exec(by, "echo x > /root/x 2>&1; echo rc=$?") if not ph.out["fill_disk"].get("error") else None
-        fd["bystander_write_when_full"] = w["stdout"].strip()[-200:] if w else "not tried"
-        ph.run("checkpoint_when_full", lambda: c.create_checkpoint(by))
-        fd["checkpoint_when_full"] = ph.out["checkpoint_when_full"].get("error", "ok")[:300]
-        fd["health_when_full"] = c.health()["ok"]
-        if fd["health_when_full"] is not True:
-            problems.append("daemon unhealthy with a full state file system")
-        for k in ("fill_exec", "checkpoint_when_full"):
-            e = fd[k]
-            if e.startswith("CrabdError") and "disk_full" not in e and "full" not in e:
-                problems.append(f"{k}: an error that does not say the disk is full: {e}")
-        # Freeing: destroying the sandbox that filled it (a rm inside it would
-        # free nothing its checkpoints still hold).
-        ph.run("destroy_filler", lambda: c.delete_sandbox(fill))
-        fd["destroy_filler"] = ph.out["destroy_filler"].get("error", "ok")
-        if fd["destroy_filler"] != "ok":
-            problems.append(f"destroying the sandbox that filled the disk failed: {fd['destroy_filler']}")
-        # btrfs returns a deleted subvolume's blocks in the background (its
-        # cleaner thread): measure how long until the bystander can write.
-        t_free, deadline = time.monotonic(), time.monotonic() + 120
-        while True:
-            try:
-                if c.exec(by, "rm -f /root/x; echo y > /root/y && echo ok")["stdout"].strip() == "ok":
-                    break
-            except CrabdError as e:
-                if time.monotonic() > deadline:
-                    problems.append(f"no space back 120 s after destroying the filler: {e}")
-                    break
-            time.sleep(0.5)
-        fd["space_back_s"] = round(time.monotonic() - t_free, 2)
-        ck = ph.run("checkpoint_after_free", lambda: c.create_checkpoint(by))
-        fd["checkpoint_after_free"] = ck["state"] if ck else ph.out["checkpoint_after_free"].get("error")
-        if fd["checkpoint_after_free"] != "committed":
-            problems.append(f"checkpoints do not work again after freeing space: {fd['checkpoint_after_free']}")
-        out["disk_fill"] = fd
+        if a.driver == "btrfs":
+            fill_disk(c, ph, by, problems, out)
 
         guard.stop_ev.set()
         guard.join(a.guard_s + 5)
@@ -542,6 +553,8 @@ def main() -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON document")
     ap.add_argument("--files", type=int, default=None, help="small files (default: full 1000000, quick 20000)")
     ap.add_argument("--disk-mib", type=int, default=None, help="size of the state file system (full 16384)")
+    ap.add_argument("--driver", choices=["btrfs", "overlay"], default="btrfs",
+                    help="deltafs driver; overlay keeps sandbox files on --workdir's file system, so no disk fill")
     ap.add_argument("--wide", type=int, default=2000, help="subdirectories of the wide directory")
     ap.add_argument("--deep", type=int, default=1200, help="levels of the deep directory chain (> 1024 fds)")
     ap.add_argument("--guard-s", type=float, default=120.0, help="an API call slower than this = blocked")
