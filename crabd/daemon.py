@@ -1176,7 +1176,7 @@ class Daemon:
                                                    reasons=list(effects.external_reasons), unknown=unseen)
                 self._event("effects.unmanaged", row.id, turn=turn, checkpoint=ck.id, effects=ids,
                             reasons=list(effects.external_reasons))
-        except CrabdError as e:  # the turn happened; its bookkeeping must not fail it
+        except Exception as e:  # the turn happened (its capture is next): bookkeeping must not fail it
             log.warning("ledger bookkeeping of %s turn %d failed: %s", row.id, turn, e)
             self._event("ledger.failed", row.id, turn=turn, error=str(e))
 
