@@ -190,8 +190,13 @@ def test_crash_between_call_and_receipt_reconciles_by_key_and_keeps_the_budget(s
 
 
 def test_regenerated_call_after_rollback_is_replayed(start_daemon, service):
+    """A regenerated call (new UUID, same op and arguments) after a rollback is
+    replayed; under policy allow it executes. A network tool the inspector
+    flags is an unmanaged effect of its turn. (The /proc inspector, which
+    flags network tools alive at a turn's end: compiling the BPF one would
+    be most of this test's time; what it flags is tested in tests/*/test_ebpf*.)"""
     rng = random.Random(11)
-    d = start_daemon()
+    d = start_daemon(env={"CRABD_INSPECTOR": "proc"})
     c = d.client()
     sid = c.create_sandbox("busybox")["id"]
     t1 = c.exec(sid, "echo draft > /root/mail.txt")
@@ -209,11 +214,15 @@ def test_regenerated_call_after_rollback_is_replayed(start_daemon, service):
 
     first, key1, receipt1 = send("execute")
     eid = first["effect"]["id"]
-    # A turn that reaches for the network on its own: recorded as an unmanaged effect.
-    t2 = c.exec(sid, f"wget -q -T 2 -O /dev/null {service.url}/stats; echo sent >> /root/mail.txt")
+    # A turn that leaves a network tool running: recorded as an unmanaged effect.
+    # (It waits until the tool has exec'd, so the turn's end sees it.)
+    t2 = c.exec(sid, "nc -l -p 7000 </dev/null >/dev/null 2>&1 & pid=$!; i=0; "
+                     "until grep -qx nc /proc/$pid/comm 2>/dev/null || [ $i -ge 1000 ]; do usleep 10000; i=$((i+1)); done; "
+                     "grep -qx nc /proc/$pid/comm && echo sent >> /root/mail.txt", timeout=120)
+    assert t2["exit_code"] == 0, t2
     unmanaged = [e for e in c.effects(sid) if e["kind"] == "unmanaged"]
     assert unmanaged and {e["turn"] for e in unmanaged} == {t2["turn"]}, unmanaged
-    assert any("wget" in (e["postcondition"] or "") for e in unmanaged), unmanaged
+    assert any(e["op"] == "exec.tool" and "nc -l" in (e["postcondition"] or "") for e in unmanaged), unmanaged
 
     async def async_view() -> list[dict]:
         async with AsyncClient(d.socket) as ac:
