@@ -579,6 +579,12 @@ def bench_swebench(ctx: typer.Context) -> None:
     _bench("swebench.py", ctx.args)
 
 
+@bench_app.command("seals", context_settings=_BENCH_CTX)
+def bench_seals(ctx: typer.Context) -> None:
+    """Cost of tamper detection: seal at commit, verify before rollback/fork, per driver (bench/seals.py; --quick, --json)."""
+    _bench("seals.py", ctx.args)
+
+
 @bench_app.command("check-traces", context_settings=_BENCH_CTX)
 def bench_check_traces(ctx: typer.Context) -> None:
     """Prove traces pass fault-free, are deterministic and need recovery (bench/check_traces.py; --only, --json, --out)."""
