@@ -52,16 +52,7 @@ class TraceRun:
 
     def prelude(self) -> None:
         """What the task gives: inputs, files, setup (also all a chat-only restart has)."""
-        inputs.stage(self.t.inputs, lambda argv, data: self.sh(argv, data))
-        for path, content in self.t.files.items():
-            d = path.rsplit("/", 1)[0] or "/"
-            r = self.sh(["sh", "-c", f"mkdir -p '{d}' && cat > '{path}'"], content)
-            if r["exit_code"] != 0:
-                raise RuntimeError(f"{self.t.name}: writing {path}: {r['stderr']}")
-        for cmd in self.t.setup:
-            r = self.sh(cmd)
-            if r["exit_code"] != 0:
-                raise RuntimeError(f"{self.t.name}: setup {cmd!r} exited {r['exit_code']}: {r['stderr'][-500:]}")
+        inputs.prelude(self.t, self.sh)
 
     def turns(self, lo: int, hi: int, time_scale: float) -> None:
         for i, turn in enumerate(self.t.turns[lo:hi], start=lo):

@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterable
+from typing import Any
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,6 +117,22 @@ def stage(names: Iterable[str], run: Callable[[list[str], str], dict]) -> None:
                 if r["exit_code"] != 0:
                     raise RuntimeError(f"copying input {p.name} into the sandbox: {r.get('stderr', '')}")
                 first = False
+
+
+def prelude(trace: Any, run: Callable[[list[str] | str, str | None], dict]) -> None:
+    """What a task gives a sandbox before turn 1 (and all a chat-only restart has):
+    the trace's inputs, then its files, then its setup. `run(cmd, stdin)` executes in
+    the sandbox (argv list or shell string) and returns an exec result dict."""
+    stage(trace.inputs, lambda argv, data: run(argv, data))
+    for p, content in trace.files.items():
+        d = p.rsplit("/", 1)[0] or "/"
+        r = run(["sh", "-c", f"mkdir -p '{d}' && cat > '{p}'"], content)
+        if r["exit_code"] != 0:
+            raise RuntimeError(f"{trace.name}: writing {p}: {r.get('stderr', '')}")
+    for cmd in trace.setup:
+        r = run(cmd, None)
+        if r["exit_code"] != 0:
+            raise RuntimeError(f"{trace.name}: setup {cmd!r} exited {r['exit_code']}: {r.get('stderr', '')[-500:]}")
 
 
 def image_rootfs(name: str, progress: Callable[[str], None] | None = None) -> Path:

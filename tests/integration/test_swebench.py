@@ -93,12 +93,7 @@ def test_swebench_instance_and_trajectory_run_in_a_sandbox(tmp_path, runtime, de
         assert t.image == debian_image
         sb = sandbox_factory(t.image)
         ex = lambda cmd, stdin=None: runtime.exec(sb.id, cmd, timeout=300, stdin=stdin).to_dict()  # noqa: E731
-        inputs.stage(t.inputs, ex)
-        for path, content in t.files.items():
-            assert ex(["sh", "-c", f"mkdir -p {os.path.dirname(path)} && cat > {path}"], content)["exit_code"] == 0
-        for cmd in t.setup:
-            res = ex(cmd)
-            assert res["exit_code"] == 0, (cmd, res["stderr"])
+        inputs.prelude(t, ex)  # the archive into /inputs, the patches, setup: as the benches do
         # Before the agent's turns, SWE-bench's verdict fails: the bug is there.
         assert ex(t.check[0].run)["exit_code"] != 0
         outs = [ex(turn.run) for turn in t.turns]
