@@ -105,6 +105,17 @@ def test_swebench_instance_and_trajectory_run_in_a_sandbox(tmp_path, runtime, de
         assert res["exit_code"] == 0, res["stderr"]
         assert "Ran 2 tests" in res["stderr"]
         assert ex(["python3", "-c", STATE_DIGEST, *t.state_paths])["exit_code"] == 0
+
+        # The oracle session (no trajectory) applies the test patch, sees the failure,
+        # applies the gold patch: its verdict passes too.
+        o = traces["acme__calc-2"]
+        sb2 = sandbox_factory(o.image)
+        ex2 = lambda cmd, stdin=None: runtime.exec(sb2.id, cmd, timeout=300, stdin=stdin).to_dict()  # noqa: E731
+        inputs.prelude(o, ex2)
+        outs = [ex2(turn.run) for turn in o.turns]
+        assert any("FAILED (failures=1)" in x["stdout"] for x in outs), [x["stdout"] for x in outs]
+        res = ex2(o.check[0].run)
+        assert res["exit_code"] == 0, res["stderr"]
     finally:
         del os.environ["CRABD_BENCH_CACHE"]
         sys.path.remove(str(ROOT / "bench"))
