@@ -95,6 +95,7 @@ class Daemon:
         self.options = options or DaemonOptions()
         self._ensure_reserve()
         self.store = Store(self.state_dir)
+        self.store.before_write = self._make_room
         from .effects import Ledger
         self.ledger = Ledger(self.store)  # effects ledger and budgets (crabd/effects.py)
         from deltacr import ImageStore
@@ -477,6 +478,24 @@ class Daemon:
         finally:
             os.close(fd)
 
+    def _make_room(self) -> None:
+        """Before a database write: when the state file system has less free
+        space than the reserve (a sandbox filled it), release the reserve.
+        SQLite writes its WAL index through a shared mapping, and a write
+        fault there on a full btrfs is a SIGBUS that kills crabd; with room
+        it is an ordinary write. The reserve comes back after the next
+        checkpoint that commits with room to spare."""
+        try:
+            st = os.statvfs(self.state_dir)
+        except OSError:
+            return
+        if st.f_bavail * st.f_frsize < self.RESERVE_BYTES // 2 and (self.state_dir / "space.reserve").exists():
+            log.warning("state file system %s is nearly full: releasing crabd's space reserve", self.state_dir)
+            try:
+                self._release_reserve()
+            except OSError as e:
+                log.warning("releasing the space reserve: %s", e)
+
     def _release_reserve(self) -> bool:
         try:
             os.unlink(self.state_dir / "space.reserve")
@@ -684,6 +703,21 @@ class Daemon:
         return time.monotonic() - t0
 
     def _open_checkpoint(self, row: SandboxRow, turn: int, effects: Any, manual: bool = False) -> CheckpointRow:
+        try:
+            return self._open_checkpoint_row(row, turn, effects, manual)
+        except sqlite3.OperationalError as e:
+            if _disk_full(e):
+                # No room for the turn's checkpoint row (the API answers 507
+                # disk_full): free the space reserve so that the sandbox and
+                # crabd have room to clean up (a rm inside the sandbox needs
+                # some to delete on btrfs); made again once there is space.
+                try:
+                    self._release_reserve()
+                except OSError as e2:
+                    log.warning("releasing the space reserve: %s", e2)
+            raise
+
+    def _open_checkpoint_row(self, row: SandboxRow, turn: int, effects: Any, manual: bool) -> CheckpointRow:
         import ebpf
         from .capture import apply_mode
         plan = ebpf.classify(effects)
@@ -736,8 +770,17 @@ class Daemon:
             except sqlite3.Error as e3:
                 log.warning("recording the failure of checkpoint %s: %s", ck.id, e3)
             if code == "disk_full":
-                await asyncio.to_thread(self._ensure_reserve)  # again, once there is room
+                try:
+                    await asyncio.to_thread(self._release_reserve)  # room to clean up (see _open_checkpoint)
+                except OSError as e4:
+                    log.warning("releasing the space reserve: %s", e4)
         else:
+            if ck.plan != "SKIP" and not (self.state_dir / "space.reserve").exists():
+                # Space is back (a reserve released on a full disk): keep one
+                # again, when that does not fill the file system right away.
+                st = os.statvfs(self.state_dir)
+                if st.f_bavail * st.f_frsize > 4 * self.RESERVE_BYTES:
+                    await asyncio.to_thread(self._ensure_reserve)
             if extra is not None:
                 self._schedule_sizing(sid, ck.id, extra)
             if ck.plan != "SKIP":

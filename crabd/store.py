@@ -215,6 +215,48 @@ _SB_JSON = {"limits"}
 _CK_JSON = {"reasons", "effects", "durations", "seals"}
 
 
+_FS_IOC_GETFLAGS, _FS_IOC_SETFLAGS, _FS_NOCOW_FL = 0x80086601, 0x40086602, 0x00800000
+
+
+def _nocow_wal_index(db: Path) -> None:
+    """Make the database's WAL index (`<db>-shm`, which SQLite maps into
+    memory) a NOCOW file before SQLite opens it. On btrfs every write to a
+    copy-on-write page needs a new block: with the file system full (a
+    sandbox filled the state dir) that write fault is a SIGBUS that kills
+    the daemon. NOCOW pages are overwritten in place: SQLite allocates them
+    when it grows the index (a write() that can fail cleanly), after that no
+    fault can need space. The flag only takes on an empty file: a -shm left
+    by a crash is removed first when no process uses it (SQLite rebuilds it
+    from the WAL). No-op on file systems without the flag."""
+    import array
+    import fcntl
+    shm = f"{db}-shm"
+    try:
+        fd = os.open(shm, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        return
+    try:
+        if os.fstat(fd).st_size:
+            try:  # in use by a connection elsewhere: it holds read locks on it; leave it
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return
+            os.unlink(shm)
+            os.close(fd)
+            fd = -1
+            fd = os.open(shm, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        flags = array.array("i", [0])
+        fcntl.ioctl(fd, _FS_IOC_GETFLAGS, flags, True)
+        if not flags[0] & _FS_NOCOW_FL:
+            flags[0] |= _FS_NOCOW_FL
+            fcntl.ioctl(fd, _FS_IOC_SETFLAGS, flags, True)
+    except OSError:
+        pass  # not btrfs (ext4, tmpfs): no copy-on-write pages to fault on
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
 class Store:
     """Thread-safe access to crabd.db (one connection, serialised)."""
 
@@ -226,7 +268,12 @@ class Store:
         # Called with a committed checkpoint row, returns its seals (the daemon
         # sets it: the store does not know layers or images).
         self.sealer: Any = None
+        # Called before each write (the daemon sets it): frees the state
+        # dir's space reserve when the file system is (nearly) full, so that
+        # SQLite's write to its WAL index never faults (see _nocow_wal_index).
+        self.before_write: Any = None
         self._lock = threading.RLock()
+        _nocow_wal_index(self.path)
         try:
             self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
             self._db.row_factory = sqlite3.Row
@@ -256,12 +303,24 @@ class Store:
 
         class _Tx:
             def __enter__(self_inner) -> None:
+                if store.before_write is not None:
+                    store.before_write()
                 store._lock.acquire()
                 store._db.execute("BEGIN IMMEDIATE")
 
             def __exit__(self_inner, et: Any, ev: Any, tb: Any) -> None:
                 try:
                     store._db.execute("COMMIT" if et is None else "ROLLBACK")
+                except sqlite3.Error:
+                    # A COMMIT that failed (SQLITE_FULL: the disk is full) may
+                    # leave the transaction open: every later write would
+                    # then pile onto it and fail the same way.
+                    if store._db.in_transaction:
+                        try:
+                            store._db.execute("ROLLBACK")
+                        except sqlite3.Error:
+                            pass
+                    raise
                 finally:
                     store._lock.release()
 
@@ -467,6 +526,8 @@ class Store:
     # --- events ----------------------------------------------------------------------
     def add_event(self, kind: str, sandbox_id: str | None = None, **data: Any) -> Event:
         ts = time.time()
+        if self.before_write is not None:
+            self.before_write()
         with self._lock:
             cur = self._db.execute("INSERT INTO events (ts, sandbox_id, kind, data) VALUES (?,?,?,?)",
                                    (ts, sandbox_id, kind, json.dumps(data, default=str)))
