@@ -116,3 +116,28 @@ def test_swebench_instances_name_what_is_missing(tmp_path):
     assert sw.test_command(inst, None, ["a b"]) == "python tests/runtests.py 'a b'"
     with pytest.raises(sw.ConversionError, match="no git checkout of django/django"):
         sw.find_repo(tmp_path, "django/django")
+
+
+def test_inputs_are_staged_in_pieces(tmp_path, monkeypatch):
+    """stage() splits a file into base64 pieces (the API's body limit); the pieces append."""
+    import base64
+
+    inputs = _bench_module("inputs")
+    monkeypatch.setattr(inputs, "CACHE", tmp_path)
+    monkeypatch.setattr(inputs, "CHUNK", 1000)
+    data = bytes(range(256)) * 17  # 4352 bytes: 5 pieces
+    (tmp_path / "local").mkdir()
+    (tmp_path / "local" / "blob.bin").write_bytes(data)
+    got: dict[str, bytes] = {}
+    calls = []
+
+    def run(argv, stdin):
+        calls.append(argv[-1])
+        redirect, dst = argv[-1].split("base64 -d ")[1].split(" ")
+        got[dst] = (got.get(dst, b"") if redirect == ">>" else b"") + base64.b64decode(stdin)
+        return {"exit_code": 0}
+
+    inputs.stage(["blob.bin"], run)
+    assert got == {"/inputs/blob.bin": data} and len(calls) == 5
+    with pytest.raises(SystemExit, match="neither pinned"):
+        inputs.stage(["nope.tar.gz"], run)
