@@ -241,3 +241,27 @@ def test_process_image_tamper_is_refused(btrfs_live: Any) -> None:
     assert cat(api, sid, "/root/data") == "v2\n"
     assert ids(api) == before  # no fork was made
     api.ok("DELETE", f"/v1/sandboxes/{sid}")
+
+
+def test_no_false_alarm_after_overlay_compaction(runtime: Any, busybox_image: Any) -> None:
+    # Layers merged by compaction (depth 2 here: every prepare compacts) are
+    # not what the seals name: the check must call them unverifiable, never
+    # tampered -- rollbacks and forks of intact checkpoints keep working.
+    with security_daemon(runtime, config='[snapshot]\ndriver = "overlay"\n',
+                         env={"CRABD_OVERLAY_MAX_DEPTH": "2"}) as (d, base):
+        api = As(base, ALICE)
+        sid = api.ok("POST", "/v1/sandboxes", json={"image": "busybox"})["id"]
+        cks = []
+        for i in range(5):
+            cks.append(api.ok("POST", f"/v1/sandboxes/{sid}/exec", json={"cmd": f"echo {i} > /root/n{i}"})["checkpoint"])
+        last = committed(api, cks[-1])["id"]
+        for _ in range(2):
+            api.ok("POST", f"/v1/sandboxes/{sid}/rollback", json={"checkpoint": last})
+        assert cat(api, sid, "/root/n4") == "4\n"
+        api.ok("POST", f"/v1/sandboxes/{sid}/rollback", json={"checkpoint": cks[2]})
+        assert api.ok("POST", f"/v1/sandboxes/{sid}/exec", json={"cmd": "ls /root"})["stdout"].split() == \
+            ["n0", "n1", "n2"]
+        forked = api.ok("POST", f"/v1/checkpoints/{last}/fork", json={"count": 1})["sandboxes"]
+        assert cat(api, forked[0], "/root/n4") == "4\n"
+        api.ok("GET", f"/v1/checkpoints/{cks[0]}/diff/{last}")
+        assert any((d.state / "fs" / "m").iterdir()), "no layer was merged: the test did not test compaction"
