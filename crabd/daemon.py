@@ -54,6 +54,11 @@ __all__ = ["Daemon", "DaemonOptions"]
 # (the exec status fifos): writes there never make a turn FS.
 _CRABD_PATHS = ("/dev/.crabd",)
 
+# In the reasons of a checkpoint of a turn during which the sandbox died: its
+# files are the command's half-done work, so it is no recovery target (the
+# agent retries the turn from the checkpoint before).
+DIED_REASON = "the sandbox died during this turn: not a recovery target"
+
 
 @dataclass
 class DaemonOptions:
@@ -650,7 +655,8 @@ class Daemon:
             # changed files before it was killed.
             effects = self.inspector.end_turn(row.id)
             t.last_end = time.monotonic()
-            ck = await asyncio.to_thread(self._open_checkpoint, row, turn, effects)
+            died = t.init_pid is not None and not pid_alive(t.init_pid)
+            ck = await asyncio.to_thread(self._open_checkpoint, row, turn, effects, died=died)
             await asyncio.to_thread(self._ledger_after_turn, row, turn, ck, effects, time.monotonic() - t_exec)
             t.capture = asyncio.ensure_future(self._run_capture(row.id, ck))
             self.metrics.stall.observe(stall)
@@ -702,9 +708,10 @@ class Daemon:
             pass  # a failed capture is recorded on its checkpoint; the turn goes on
         return time.monotonic() - t0
 
-    def _open_checkpoint(self, row: SandboxRow, turn: int, effects: Any, manual: bool = False) -> CheckpointRow:
+    def _open_checkpoint(self, row: SandboxRow, turn: int, effects: Any, manual: bool = False,
+                         died: bool = False) -> CheckpointRow:
         try:
-            return self._open_checkpoint_row(row, turn, effects, manual)
+            return self._open_checkpoint_row(row, turn, effects, manual, died)
         except sqlite3.OperationalError as e:
             if _disk_full(e):
                 # No room for the turn's checkpoint row (the API answers 507
@@ -717,7 +724,8 @@ class Daemon:
                     log.warning("releasing the space reserve: %s", e2)
             raise
 
-    def _open_checkpoint_row(self, row: SandboxRow, turn: int, effects: Any, manual: bool) -> CheckpointRow:
+    def _open_checkpoint_row(self, row: SandboxRow, turn: int, effects: Any, manual: bool,
+                             died: bool = False) -> CheckpointRow:
         import ebpf
         from .capture import apply_mode
         plan = ebpf.classify(effects)
@@ -726,6 +734,8 @@ class Daemon:
         if manual and kind == "SKIP":
             kind, reasons = "FS", ["manual checkpoint"] + reasons
         kind, reasons = apply_mode(kind, reasons, self.options.capture)
+        if died:
+            reasons.append(DIED_REASON)
         seq = self.store.allocate_seq(row.id)
         ck = CheckpointRow(id=f"{row.id}-{seq}", sandbox_id=row.id, seq=seq, parent=row.head, branch=row.branch,
                            turn=turn, plan=kind, reasons=reasons, effects=effects.model_dump(mode="json"))
@@ -794,6 +804,10 @@ class Daemon:
         snapshot's usage when `_size_checkpoint` measures it later."""
         t_start = time.monotonic()
         parent = self.store.get_checkpoint(ck.parent) if ck.parent else None
+        if parent is not None and parent.state == "committed":
+            # What this checkpoint inherits (snapshot, process image, seals) is
+            # signed again by its commit: never launder a tampered parent.
+            self.store.verify(parent)
         if ck.plan == "SKIP" and parent is not None:
             self.store.commit_checkpoint(ck.id, fs_snapshot=parent.fs_snapshot, proc_image=parent.proc_image,
                                          bytes=0, durations={"queue": queue, "total": time.monotonic() - t_start,
@@ -1104,13 +1118,14 @@ class Daemon:
         Complete = committed, and holding everything its plan asked for: an
         FS_PROC checkpoint whose CRIU dump failed has the files but not the
         processes, so recovery prefers an older complete one (an explicit
-        rollback to it is still allowed: files plus a fresh init)."""
+        rollback to it is still allowed: files plus a fresh init). Nor is the
+        checkpoint of a turn the sandbox died in (DIED_REASON)."""
         cid: str | None = row.head
         fallback: CheckpointRow | None = None
         while cid:
             c = self.store.get_checkpoint(cid)
             if c.state == "committed":
-                if not (c.plan == "FS_PROC" and not c.proc_image):
+                if not (c.plan == "FS_PROC" and not c.proc_image) and DIED_REASON not in (c.reasons or []):
                     return c
                 fallback = fallback or c
             cid = c.parent

@@ -265,3 +265,24 @@ def test_no_false_alarm_after_overlay_compaction(runtime: Any, busybox_image: An
         assert cat(api, forked[0], "/root/n4") == "4\n"
         api.ok("GET", f"/v1/checkpoints/{cks[0]}/diff/{last}")
         assert any((d.state / "fs" / "m").iterdir()), "no layer was merged: the test did not test compaction"
+
+
+def test_a_new_turn_never_inherits_a_tampered_parent(btrfs_live: Any) -> None:
+    # A checkpoint shares or inherits its parent's snapshot, process image and
+    # seals, and its commit signs them again: a tampered parent fails it.
+    d, base = btrfs_live
+    api = As(base, ALICE)
+    sid, _ = sandbox_with_checkpoint(api)
+    head = api.ok("GET", f"/v1/sandboxes/{sid}")["head"]
+    turn = committed(api, head)["turn"]
+    sql(d, "UPDATE checkpoints SET turn=? WHERE id=?", turn + 5, head)
+    cid = api.ok("POST", f"/v1/sandboxes/{sid}/exec", json={"cmd": ["true"]})["checkpoint"]
+    deadline = time.monotonic() + 120
+    while (c := api.ok("GET", f"/v1/checkpoints/{cid}"))["state"] == "pending":
+        assert time.monotonic() < deadline, c
+        time.sleep(0.1)
+    assert c["state"] == "failed" and head in c["error"] and "digest" in c["error"], c
+    sql(d, "UPDATE checkpoints SET turn=? WHERE id=?", turn, head)
+    nxt = api.ok("POST", f"/v1/sandboxes/{sid}/exec", json={"cmd": ["true"]})["checkpoint"]
+    assert committed(api, nxt)["state"] == "committed"
+    api.ok("DELETE", f"/v1/sandboxes/{sid}")
