@@ -46,7 +46,8 @@ def run_scale(b: Bench, trace: Any, ns: list[int]) -> list[dict[str, Any]]:
                     seconds = time.monotonic() - t0
                     total_bytes = 0
                     for box in boxes:
-                        total_bytes += sum(c["bytes"] or 0 for c in b.wait_durable(box.sid, sized=True) if c["state"] == "committed")
+                        total_bytes += sum(c["bytes"] or 0 for c in b.wait_durable(box.sid, sized=True, timeout=60)
+                                           if c["state"] == "committed")
                     xs = [x for s in stalls for x in s]
                     out.append({"n": n, "scheduler": sched, "stall_ms": {"p50": pct(xs, 0.5), "p99": pct(xs, 0.99)},
                                 "seconds": round(seconds, 2), "bytes": total_bytes, "errors": errors})
