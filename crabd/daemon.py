@@ -267,9 +267,19 @@ class Daemon:
                     self._event("sandbox.orphan_removed", sb.id, reason="not in the store (crabd stopped mid-create)")
                 except CrabdError as e:
                     log.warning("removing orphan sandbox %s: %s", sb.id, e)
+        # Temporary mounts of an image import or a full-mode copy cut short.
+        for tmp in list(self.state_dir.glob("crabd-import-*")) + list(self.state_dir.glob("crabd-full-*")):
+            try:
+                unmount(str(tmp), detach=True)
+            except OSError:
+                pass
+            try:
+                os.rmdir(tmp)
+            except OSError as e:
+                log.warning("leftover %s: %s", tmp, e)
         used = {r.fs_key for r in rows}
         for info in list(self.fs.walk()):
-            if info.name.startswith(("root-", "import-")) and info.name not in used:
+            if info.name.startswith(("root-", "import-", "fullview-")) and info.name not in used:
                 self._remove_snapshot(info.name)
         # Checkpoint snapshots no row names any more (a destroy that could not
         # remove one while a standby still stacked on it): newest first, so

@@ -224,13 +224,19 @@ def _nocow_wal_index(db: Path) -> None:
     copy-on-write page needs a new block: with the file system full (a
     sandbox filled the state dir) that write fault is a SIGBUS that kills
     the daemon. NOCOW pages are overwritten in place: SQLite allocates them
-    when it grows the index (a write() that can fail cleanly), after that no
-    fault can need space. The flag only takes on an empty file: a -shm left
+    when it grows the index (a write() that can fail cleanly), and a fault
+    needs no new data block -- still some metadata, so the daemon also keeps
+    headroom (Daemon._make_room). The flag only takes on an empty file: a -shm left
     by a crash is removed first when no process uses it (SQLite rebuilds it
     from the WAL). No-op on file systems without the flag."""
     import array
     import fcntl
     shm = f"{db}-shm"
+    # In use by a connection of this process: hands off (even opening and
+    # closing it would drop that connection's POSIX locks on it).
+    with open("/proc/self/maps") as maps:
+        if any(line.rstrip("\n").endswith(" " + os.path.realpath(shm)) for line in maps):
+            return
     try:
         fd = os.open(shm, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     except OSError:
