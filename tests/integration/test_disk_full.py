@@ -100,8 +100,8 @@ def test_checkpoint_on_a_full_state_dir(small_fs, start_daemon):
     # checkpoints work again.
     c.rollback(sid, good["id"])
     assert c.exec(sid, "cat /root/f")["stdout"].strip() == "one"
-    later = [ck for ck in c.checkpoints(sid, all=True)
-             if ck["seq"] > good["seq"] and ck["state"] == "committed"]
+    later = [ck for ck in c.checkpoints(sid, all=True)  # the abandoned line after `good`
+             if ck["seq"] > good["seq"] and ck["branch"] == good["branch"] and ck["state"] == "committed"]
     for ck in sorted(later, key=lambda k: -k["seq"]):
         c.delete_checkpoint(ck["id"])
     after = None
