@@ -176,28 +176,42 @@ def _entry(path: bytes, st: os.stat_result, dir_fd: int, name: bytes, xattrs: bo
     )
 
 
+def open_rel(root_fd: int, rel: bytes) -> int:
+    """Open directory `rel` below `root_fd` one component at a time, never
+    following a symlink (O_NOFOLLOW on every step)."""
+    fd = os.dup(root_fd)
+    for part in rel.split(b"/") if rel else ():
+        try:
+            nfd = os.open(part, O_DIR, dir_fd=fd)
+        finally:
+            os.close(fd)
+        fd = nfd
+    return fd
+
+
 def walk_fd(root_fd: int) -> Iterator[tuple[bytes, int, bytes, os.stat_result]]:
     """Yield (relative path, parent dir fd, name, lstat) for every entry below `root_fd`, parents first.
 
     The parent fd is valid only until the generator advances past that dir.
+    One directory fd is open at a time (plus `root_fd`): pending directories
+    are kept as paths and reopened component by component, so neither a
+    directory with 100k subdirectories nor a chain 100k levels deep runs
+    out of file descriptors (or of recursion depth).
     """
-    stack: list[tuple[bytes, int]] = [(b"", os.dup(root_fd))]
-    try:
-        while stack:
-            rel, fd = stack.pop()
-            try:
-                with os.scandir(fd) as it:
-                    names = sorted(os.fsencode(e.name) for e in it)
-                for name in names:
-                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-                    path = rel + b"/" + name if rel else name
-                    yield path, fd, name, st
-                    if stat.S_ISDIR(st.st_mode):
-                        stack.append((path, os.open(name, O_DIR, dir_fd=fd)))
-            finally:
-                os.close(fd)
-    finally:
-        for _, fd in stack:
+    stack: list[bytes] = [b""]
+    while stack:
+        rel = stack.pop()
+        fd = open_rel(root_fd, rel)
+        try:
+            with os.scandir(fd) as it:
+                names = sorted(os.fsencode(e.name) for e in it)
+            for name in names:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                path = rel + b"/" + name if rel else name
+                yield path, fd, name, st
+                if stat.S_ISDIR(st.st_mode):
+                    stack.append(path)
+        finally:
             os.close(fd)
 
 
@@ -392,16 +406,32 @@ def remove_tree(path: str | bytes) -> None:
 
 
 def _empty_dir(fd: int) -> None:
-    with os.scandir(fd) as it:
-        names = [e.name for e in it]
-    for name in names:
-        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-        if stat.S_ISDIR(st.st_mode):
-            cfd = os.open(name, O_DIR, dir_fd=fd)
+    """Delete everything below `fd`, without recursion and with one extra fd
+    open at a time (a hostile tree may be 100k levels deep or wide)."""
+    stack: list[bytes] = [b""]
+    while stack:
+        rel = stack[-1]
+        dfd = open_rel(fd, rel)
+        try:
+            with os.scandir(dfd) as it:
+                names = [os.fsencode(e.name) for e in it]
+            subdirs = []
+            for name in names:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    subdirs.append(rel + b"/" + name if rel else name)
+                else:
+                    os.unlink(name, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+        if subdirs:
+            stack.extend(subdirs)  # emptied first; this dir is listed again after them
+            continue
+        stack.pop()
+        if rel:
+            parent, _, base = rel.rpartition(b"/")
+            pfd = open_rel(fd, parent)
             try:
-                _empty_dir(cfd)
+                os.rmdir(base, dir_fd=pfd)
             finally:
-                os.close(cfd)
-            os.rmdir(name, dir_fd=fd)
-        else:
-            os.unlink(name, dir_fd=fd)
+                os.close(pfd)
