@@ -21,8 +21,8 @@ overlay: `{"driver": "overlay", "layer", "digest", "hashed_bytes",
   size, mtime (ns), device number, symlink target, extended attributes
   (overlay whiteouts and opaque markers included), and the blake3 of its
   content for regular files while the content budget lasts (default 64
-  MiB per layer; files past it are covered by their stat only, counted in
-  `stat_only`). The lower layers are the parent snapshots' top layers, each
+  MiB and 20000 files per layer; files past it are covered by their stat
+  only, counted in `stat_only`). The lower layers are the parent snapshots' top layers, each
   with its own seal: a caller checks the whole line by checking every
   ancestor's seal. Not covered: a layer merged by compaction (the chain's
   top is then a merged layer the seal does not name: the check reports it
@@ -47,6 +47,7 @@ from .snapshotter import Kind, Snapshotter
 __all__ = ["seal", "check_seal", "SealBroken", "subvol_info", "layer_digest", "CONTENT_BUDGET"]
 
 CONTENT_BUDGET = 64 << 20
+FILES_BUDGET = 20_000  # files whose content is hashed per layer (a million tiny files: stat only past this)
 _GET_SUBVOL_INFO = (2 << 30) | (504 << 16) | (0x94 << 8) | 60   # _IOR(0x94, 60, 504 bytes)
 _SUBVOL_GETFLAGS = (2 << 30) | (8 << 16) | (0x94 << 8) | 25     # _IOR(0x94, 25, u64)
 _SUBVOL_RDONLY = 1 << 1
@@ -72,14 +73,14 @@ def subvol_info(path: str) -> dict[str, Any]:
             "readonly": bool(struct.unpack("<Q", flags)[0] & _SUBVOL_RDONLY)}
 
 
-def layer_digest(root: str, budget: int = CONTENT_BUDGET) -> tuple[str, int, int]:
+def layer_digest(root: str, budget: int = CONTENT_BUDGET, max_files: int = FILES_BUDGET) -> tuple[str, int, int]:
     """(blake3 hex, content bytes hashed, files covered by stat only) of a
     directory tree, never following symlinks (see the module doc)."""
     h = blake3.blake3()
-    hashed = stat_only = 0
+    hashed = stat_only = nfiles = 0
 
     def entry(rel: bytes, st: os.stat_result, full: bytes) -> None:
-        nonlocal hashed, stat_only
+        nonlocal hashed, stat_only, nfiles
         h.update(b"%s\0%o %d %d %d %d %d\0" % (rel, st.st_mode, st.st_uid, st.st_gid, st.st_size,
                                                st.st_mtime_ns, st.st_rdev))
         if stat.S_ISLNK(st.st_mode):
@@ -94,9 +95,10 @@ def layer_digest(root: str, budget: int = CONTENT_BUDGET) -> tuple[str, int, int
             except OSError:
                 pass
         if stat.S_ISREG(st.st_mode):
-            if hashed + st.st_size > budget:
+            if hashed + st.st_size > budget or nfiles >= max_files:
                 stat_only += 1
                 return
+            nfiles += 1
             fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
                 fh = blake3.blake3()
@@ -151,7 +153,7 @@ def seal(fs: Snapshotter, name: str, budget: int = CONTENT_BUDGET) -> dict[str, 
     # A committed layer never changes: hash it without holding the store's lock.
     digest, hashed, stat_only = layer_digest(path, budget)
     return {"driver": "overlay", "layer": layer, "digest": digest, "hashed_bytes": hashed,
-            "stat_only": stat_only, "budget": budget}
+            "stat_only": stat_only, "budget": budget, "max_files": FILES_BUDGET}
 
 
 def check_seal(fs: Snapshotter, name: str, sealed: dict[str, Any]) -> str:
@@ -184,7 +186,8 @@ def check_seal(fs: Snapshotter, name: str, sealed: dict[str, Any]) -> str:
             return f"unverifiable: the layer {layer} of {name} was merged by compaction"
         path = fs._abs(layer)  # type: ignore[attr-defined]
     try:
-        digest, _, _ = layer_digest(path, int(sealed.get("budget", CONTENT_BUDGET)))
+        digest, _, _ = layer_digest(path, int(sealed.get("budget", CONTENT_BUDGET)),
+                                    int(sealed.get("max_files", FILES_BUDGET)))
     except OSError as e:
         raise SealBroken(f"snapshot {name}: layer {path} is unreadable: {e}") from None
     if digest != sealed.get("digest"):

@@ -143,3 +143,12 @@ def test_crabds_own_re_signing_never_launders_a_tampered_row(tmp_path: Path, sto
     store.commit_checkpoint(c.id, fs_snapshot="snap-3")
     store.set_checkpoint_bytes("sb-1-3", 8192)
     store.verify(store.get_checkpoint("sb-1-3"))
+
+
+def test_past_the_file_budget_files_are_covered_by_stat_only(tmp_path: Path) -> None:
+    a = tmp_path / "a"
+    a.mkdir()
+    for i in range(5):
+        (a / f"f{i}").write_bytes(b"x" * 10)
+    _, hashed, stat_only = layer_digest(str(a), max_files=3)
+    assert hashed == 30 and stat_only == 2
