@@ -94,6 +94,45 @@ def write_config(st: Path, driver: str, capture: str) -> Path:
     return p
 
 
+def reap_orphans(keep: int | None) -> int:
+    """Reap zombie children of this process except `keep` (the daemon).
+
+    Sandbox inits are children of crabd (a child subreaper); when crabd is
+    killed they are re-parented to the nearest subreaper -- this process
+    (Runtime() made it one) -- and one that exits later stays a zombie that
+    runc still reports as running. Under systemd PID 1 reaps them."""
+    n = 0
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == keep:
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if fields[0] == "Z" and int(fields[1]) == os.getpid():
+            try:
+                os.waitpid(int(d.name), os.WNOHANG)
+                n += 1
+            except ChildProcessError:
+                pass
+    return n
+
+
+_KEEP: list[int | None] = [None]  # the current daemon's pid: its Popen reaps it
+
+
+def start_reaper() -> threading.Event:
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(0.2):
+            reap_orphans(_KEEP[0])
+
+    threading.Thread(target=loop, daemon=True).start()
+    return stop
+
+
 class Chaos:
     def __init__(self, driver: str, state: Path, rng: random.Random, out: dict[str, Any], log: Any) -> None:
         self.driver, self.state, self.rng, self.out, self.say = driver, state, rng, out, log
@@ -106,6 +145,7 @@ class Chaos:
 
     # --- daemon ---------------------------------------------------------------------------
     def start(self, phase: str | None) -> Client:
+        reap_orphans(None)
         # The /proc inspector: compiling the BPF program costs ~20 s per start on a loaded host.
         env = {"CRABD_CHAOS": phase or "", "CRABD_CHAOS_SLEEP": str(SLEEP), "CRABD_OVERLAY_MAX_DEPTH": "3",
                "CRABD_INSPECTOR": "proc"}
@@ -113,7 +153,9 @@ class Chaos:
         # daemon runs in capture mode full (every turn dumps its processes).
         cfg = write_config(self.state, self.driver, "full" if phase == "criu_dump" else "auto")
         self.d = DaemonHandle(self.state, args=["--config", str(cfg)], env=env)
+        _KEEP[0] = None
         self.d.start()
+        _KEEP[0] = self.d.proc.pid if self.d.proc else None
         return Client(self.d.socket, timeout=120)
 
     def c(self) -> Client:
@@ -231,6 +273,7 @@ class Chaos:
 
     # --- checks ------------------------------------------------------------------------------------
     def check(self, c: Client, final: bool = False) -> None:
+        reap_orphans(self.d.proc.pid if self.d and self.d.proc else None)
         listed = {s["id"]: s for s in c.sandboxes()}
         for sid in list(self.sandboxes):
             if sid not in listed:
@@ -397,6 +440,7 @@ def main() -> int:
     out.update(per_phase={}, seed=a.seed, drivers=drivers, quick=a.quick)
 
     t0 = time.monotonic()
+    stop_reaper = start_reaper()
 
     def say(msg: str) -> None:
         print(f"[{time.monotonic() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
@@ -421,6 +465,7 @@ def main() -> int:
                 subprocess.run(["runc", "--root", str(st / "runc"), "delete", "--force", sid], capture_output=True)
             if not os.environ.get("CRABD_CHAOS_KEEP"):
                 cleanup_state_dir(st)
+    stop_reaper.set()
     out["duration_s"] = round(time.monotonic() - t0, 1)
     if a.json:
         print(json.dumps(out, indent=2))

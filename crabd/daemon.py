@@ -182,7 +182,7 @@ class Daemon:
             # crabd never leaves a sandbox frozen on purpose.
             fr = Freezer(self.runtime.layout, sb.cgroup_rel)
             try:
-                frozen = sb.status in ("running", "paused") and fr.state() == "FROZEN"
+                frozen = sb.status in ("running", "paused") and fr.state() != "THAWED"
             except OSError:
                 frozen = False
             if frozen:

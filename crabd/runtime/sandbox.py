@@ -406,11 +406,15 @@ class Runtime:
         status, _ = self._status(sb.id)
         if status == "absent":
             return
-        if status == "paused":
-            # SIGKILL is not delivered to frozen tasks until they thaw.
+        if status in ("running", "paused"):
+            # SIGKILL is not delivered to frozen tasks until they thaw. crabd
+            # freezes through the freezer file (runc may still say running):
+            # ask the freezer itself, e.g. after a crash mid-checkpoint.
+            fr = Freezer(self.layout, sb.cgroup_rel)
             try:
-                Freezer(self.layout, sb.cgroup_rel).thaw()
-            except FailedPrecondition:
+                if status == "paused" or fr.state() != "THAWED":
+                    fr.thaw()
+            except (FailedPrecondition, OSError):
                 pass
         if status in ("running", "paused", "created"):
             _, pid = self._status(sb.id)
