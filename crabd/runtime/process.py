@@ -548,13 +548,48 @@ def _after_promotion(rt: Runtime, sb: Sandbox, st: Standby, src_rel: str, paths:
     _rmdir_if_empty(st.dir.parent)
 
 
+def _sweep_cgroups(st: Standby) -> None:
+    """Kill whatever is left in a standby's cgroups (every hierarchy, the
+    unified one included: runc delete may leave that one) and remove them."""
+    from .cgroups import CGROUP_ROOT
+    cgs = [c / st.cgroup_rel.lstrip("/") for c in CGROUP_ROOT.iterdir()]
+    cgs = [c for c in cgs if c.is_dir()]
+    for c in cgs:  # thaw (a frozen task ignores SIGKILL until thawed), then kill
+        for name, val in (("freezer.state", "THAWED"), ("cgroup.freeze", "0")):
+            try:
+                (c / name).write_text(val)
+            except OSError:
+                pass
+    for c in cgs:
+        try:
+            pids = [int(x) for x in (c / "cgroup.procs").read_text().split()]
+        except (OSError, ValueError):
+            pids = []
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + 5
+    for c in cgs:
+        while True:
+            try:
+                os.rmdir(c)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)  # killed tasks still exiting
+
+
 def remove_standby_leftovers(rt: Runtime) -> list[str]:
     """After a crash: remove every standby directory, also those a prepare
     killed midway left without standby.json (list_standbys skips them):
     their runc container, stopped tasks, cgroups and mounts. Returns the
     directories removed."""
     from deltafs.mount import mountinfo
-    from .cgroups import CGROUP_ROOT
     base = rt.state_dir / "standbys"
     out: list[str] = []
     for sd in (sorted(base.iterdir()) if base.is_dir() else []):
@@ -567,24 +602,7 @@ def remove_standby_leftovers(rt: Runtime) -> list[str]:
                     _runc(rt, st.runc_root).delete(sd.name, force=True)
                 except Exception:  # noqa: BLE001 -- best effort; the cgroups below are swept anyway
                     pass
-            cgs = [c / st.cgroup_rel.lstrip("/") for c in CGROUP_ROOT.iterdir()]
-            cgs = [c for c in cgs if c.is_dir()]
-            for c in cgs:  # thaw (a frozen task ignores SIGKILL until thawed), then kill
-                for name, val in (("freezer.state", "THAWED"), ("cgroup.freeze", "0")):
-                    try:
-                        (c / name).write_text(val)
-                    except OSError:
-                        pass
-            for c in cgs:
-                try:
-                    pids = [int(x) for x in (c / "cgroup.procs").read_text().split()]
-                except (OSError, ValueError):
-                    pids = []
-                for pid in pids:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+            _sweep_cgroups(st)
             real = str(d.resolve())
             for m in sorted((m.target for m in mountinfo() if m.target.startswith(real + "/")),
                             key=len, reverse=True):
@@ -592,18 +610,6 @@ def remove_standby_leftovers(rt: Runtime) -> list[str]:
                     unmount(m, detach=True)
                 except OSError:
                     pass
-            deadline = time.monotonic() + 5
-            for c in cgs:
-                while True:
-                    try:
-                        os.rmdir(c)
-                        break
-                    except FileNotFoundError:
-                        break
-                    except OSError:
-                        if time.monotonic() > deadline:
-                            break
-                        time.sleep(0.05)  # killed tasks still exiting
             if not any(m.target.startswith(real + "/") for m in mountinfo()):
                 shutil.rmtree(d, ignore_errors=True)
             out.append(str(d))
@@ -630,6 +636,7 @@ def _discard_dir(rt: Runtime, st: Standby) -> None:
             _runc(rt, st.runc_root).delete(st.sandbox_id, force=True)
         except Exception:  # noqa: BLE001 -- best effort; the checks below decide
             pass
+    _sweep_cgroups(st)
     rootfs = str(st.bundle / "rootfs")
     if is_mountpoint(rootfs):
         try:
