@@ -542,18 +542,27 @@ def _after_promotion(rt: Runtime, sb: Sandbox, st: Standby, src_rel: str, paths:
             os.rmdir(p)
         except OSError:
             pass
+    _sweep_cgroups(st, kill=False)  # runc's state may not list the unified one
     shutil.rmtree(st.runc_root, ignore_errors=True)
     if not is_mountpoint(str(st.bundle / "rootfs")):
         shutil.rmtree(st.dir, ignore_errors=True)
     _rmdir_if_empty(st.dir.parent)
 
 
-def _sweep_cgroups(st: Standby) -> None:
+def _sweep_cgroups(st: Standby, kill: bool = True) -> None:
     """Kill whatever is left in a standby's cgroups (every hierarchy, the
-    unified one included: runc delete may leave that one) and remove them."""
+    unified one included: runc delete may leave that one) and remove them.
+    kill=False (after a promotion): only remove the empty ones."""
     from .cgroups import CGROUP_ROOT
     cgs = [c / st.cgroup_rel.lstrip("/") for c in CGROUP_ROOT.iterdir()]
     cgs = [c for c in cgs if c.is_dir()]
+    if not kill:
+        for c in cgs:
+            try:
+                os.rmdir(c)
+            except OSError:
+                pass
+        return
     for c in cgs:  # thaw (a frozen task ignores SIGKILL until thawed), then kill
         for name, val in (("freezer.state", "THAWED"), ("cgroup.freeze", "0")):
             try:
