@@ -51,7 +51,7 @@ from deltafs import Mount, is_mountpoint, mount_all, unmount
 from ..errors import CommandFailed, FailedPrecondition, NotFound, SandboxNotRunning
 from ..runner import Completed, SubprocessRunner
 from .cgroups import Freezer
-from .sandbox import Runtime, Sandbox
+from .sandbox import Runtime, Sandbox, reap
 
 __all__ = ["ProcessCheckpoint", "Standby", "checkpoint_processes", "restore_processes", "rollback_processes",
            "prepare_standby", "promote_standby", "discard_standby", "list_standbys", "remove_standby_leftovers", "make_room_for_standby", "gc_scratch",
@@ -569,6 +569,7 @@ def _sweep_cgroups(st: Standby, kill: bool = True) -> None:
                 (c / name).write_text(val)
             except OSError:
                 pass
+    killed: set[int] = set()
     for c in cgs:
         try:
             pids = [int(x) for x in (c / "cgroup.procs").read_text().split()]
@@ -577,6 +578,7 @@ def _sweep_cgroups(st: Standby, kill: bool = True) -> None:
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
             except ProcessLookupError:
                 pass
     deadline = time.monotonic() + 5
@@ -590,7 +592,11 @@ def _sweep_cgroups(st: Standby, kill: bool = True) -> None:
             except OSError:
                 if time.monotonic() > deadline:
                     break
-                time.sleep(0.05)  # killed tasks still exiting
+                # Killed tasks still exiting; a zombie child of crabd (the
+                # subreaper) keeps a v2 cgroup populated until reaped.
+                for pid in killed:
+                    reap(pid)
+                time.sleep(0.05)
 
 
 def remove_standby_leftovers(rt: Runtime) -> list[str]:
