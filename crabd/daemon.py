@@ -439,6 +439,8 @@ class Daemon:
         self.turns.pop(row.id, None)
         self.scheduler.cancel(row.id)
         self._discard_standby(row.id)
+        from .runtime.process import sweep_standby_cgroups
+        sweep_standby_cgroups(self.runtime, row.id)
         try:
             self.inspector.unwatch(row.id)
         except Exception:
@@ -1514,6 +1516,9 @@ class Daemon:
         # ... and what a prepare killed midway left (no standby.json yet)
         for d in remove_standby_leftovers(self.runtime):
             log.info("removed a half-made standby %s", d)
+        from .runtime.process import sweep_standby_cgroups
+        for row in self.store.list_sandboxes():
+            sweep_standby_cgroups(self.runtime, row.id)
         for info in list(self.fs.walk()):
             if info.name.startswith("standby-"):
                 self._remove_snapshot(info.name)

@@ -599,6 +599,27 @@ def _sweep_cgroups(st: Standby, kill: bool = True) -> None:
                 time.sleep(0.05)
 
 
+def sweep_standby_cgroups(rt: Runtime, sandbox_id: str, keep: set[str] = frozenset()) -> int:  # type: ignore[assignment]
+    """Remove the empty cgroups `/crabd/<sandbox_id>.<token>` (every
+    hierarchy) of standbys that are gone (tokens not in `keep`): e.g. made
+    by a runc restore that outlived a killed crabd. Returns how many went."""
+    from .cgroups import CGROUP_ROOT
+    n = 0
+    for h in CGROUP_ROOT.iterdir():
+        base = h / "crabd"
+        if not base.is_dir():
+            continue
+        for c in base.glob(f"{sandbox_id}.*"):
+            if c.name.partition(".")[2] in keep or not c.is_dir():
+                continue
+            try:
+                os.rmdir(c)
+                n += 1
+            except OSError:
+                pass
+    return n
+
+
 def remove_standby_leftovers(rt: Runtime) -> list[str]:
     """After a crash: remove every standby directory, also those a prepare
     killed midway left without standby.json (list_standbys skips them):
