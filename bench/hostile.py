@@ -419,6 +419,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         out["mknod_inside"] = "refused" if r and "mknod=refused" in r["stdout"] else "ok"
         ph.run("turn_capture", lambda: wait_committed(c, sid))
         ck = ph.run("checkpoint", lambda: c.create_checkpoint(sid))
+        for k in c.checkpoints(sid, all=True):
+            if k["state"] != "committed":
+                problems.append(f"checkpoint {k['id']} is {k['state']}: {str(k.get('error'))[:400]}")
         ck_id = ck["id"] if ck else r["checkpoint"]
         # A hard link from the host into the sandbox's root: refused across file systems.
         rootfs = Runtime(state).get(sid).rootfs

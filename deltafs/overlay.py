@@ -177,10 +177,18 @@ class _FdCache:
 
     def dir(self, rel: bytes) -> int:
         fd = self.fds.get(rel)
-        if fd is None:
-            pfd, name = self.parent(rel)
-            fd = os.open(name, O_DIR, dir_fd=pfd)
-            self.fds[rel] = fd
+        if fd is not None:
+            return fd
+        # From the deepest cached ancestor down, one level at a time (a loop:
+        # a sandbox's chain may be thousands of levels deep).
+        parts = rel.split(b"/")
+        i = len(parts) - 1
+        while i > 0 and b"/".join(parts[:i]) not in self.fds:
+            i -= 1
+        fd = self.fds[b"/".join(parts[:i])]
+        for j in range(i, len(parts)):
+            fd = os.open(parts[j], O_DIR, dir_fd=fd)
+            self.fds[b"/".join(parts[:j + 1])] = fd
             self.owned.append(fd)
         return fd
 

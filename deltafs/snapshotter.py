@@ -334,7 +334,7 @@ class Snapshotter(abc.ABC):
         """
         with self._lock:
             row = self._active(key, "checkpoint")
-            with self.meta.tx():
+            with self._too_deep(key), self.meta.tx():
                 if name is None:
                     name = f"{key}@{self._next_id()}"
                 _check_name(name)
@@ -346,12 +346,24 @@ class Snapshotter(abc.ABC):
             _failpoint("checkpoint-after-commit")
             return name
 
+    @contextlib.contextmanager
+    def _too_deep(self, key: str) -> Iterator[None]:
+        """A sandbox can nest directories thousands of levels deep; a driver
+        whose capture (or manifest) is recursive stops with RecursionError,
+        and the transaction inside this undoes the half-made snapshot."""
+        try:
+            yield
+        except RecursionError:
+            raise FailedPrecondition(
+                f"cannot capture {key!r}: its directory tree is nested too deeply for the {self.driver} driver; "
+                "use the btrfs driver ([snapshot] driver = \"btrfs\") for sandboxes that make such trees") from None
+
     def commit(self, name: str, key: str, labels: dict[str, str] | None = None) -> None:
         """Create committed `name` from active `key`'s content and remove `key` (unmount it first)."""
         _check_name(name)
         with self._lock:
             row = self._active(key, "commit")
-            with self.meta.tx():
+            with self._too_deep(key), self.meta.tx():
                 new = self.meta.insert(name, Kind.COMMITTED, row.parent, labels)
                 new.extra, _ = self._capture(row, new, consume=True)
                 self.meta.update(new.id, extra=new.extra)
