@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
 import os
 import secrets
@@ -34,7 +35,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import deltafs
 from deltafs import mount_all, unmount
@@ -921,24 +922,48 @@ class Daemon:
         they are."""
         # The freezer file directly: no runc process on the pause's path.
         freezer = Freezer(self.runtime.layout, f"/crabd/{sid}")
-        t_freeze = time.monotonic()
-        try:
-            freezer.freeze()
-            frozen = True
-        except CrabdError:
-            frozen = False
-        d["freeze"] = time.monotonic() - t_freeze
-        try:
-            chaos_point("fs_commit")
-            t = time.monotonic()
-            self.fs.checkpoint(key, name=name)
-            d["fs_commit"] = time.monotonic() - t
-        finally:
-            if frozen:
+        with self._inspector_pause(sid, d):
+            t_freeze = time.monotonic()
+            try:
+                freezer.freeze()
+                frozen = True
+            except CrabdError:
+                frozen = False
+            d["freeze"] = time.monotonic() - t_freeze
+            try:
+                chaos_point("fs_commit")
                 t = time.monotonic()
-                freezer.thaw()
-                d["thaw"] = time.monotonic() - t
-            d["pause"] = time.monotonic() - t_freeze
+                self.fs.checkpoint(key, name=name)
+                d["fs_commit"] = time.monotonic() - t
+            finally:
+                if frozen:
+                    t = time.monotonic()
+                    freezer.thaw()
+                    d["thaw"] = time.monotonic() - t
+                d["pause"] = time.monotonic() - t_freeze
+
+    @contextlib.contextmanager
+    def _inspector_pause(self, sid: str, d: dict[str, float]) -> Iterator[None]:
+        """Tell the inspector about crabd's own pause of the sandbox (freeze,
+        CRIU dump, thaw), so the wake-ups it causes are not taken for the
+        next turn's process activity (which would make every later turn
+        FS_PROC). Records the `rebaseline` phase: the wait for the thawed
+        tasks to go quiet (at most the inspector's settle time)."""
+        try:
+            self.inspector.before_pause(sid)
+            told = True
+        except Exception:  # not watched (a dead sandbox), or an old inspector
+            told = False
+        try:
+            yield
+        finally:
+            if told:
+                t = time.monotonic()
+                try:
+                    self.inspector.after_pause(sid)
+                except Exception:
+                    log.warning("inspector rebaseline of %s failed", sid, exc_info=True)
+                d["rebaseline"] = time.monotonic() - t
 
     def _capture_proc(self, ck: CheckpointRow, row: SandboxRow, d: dict[str, float], t_start: float) -> int | None:
         """FS and processes at one instant: frozen from the FS commit to the
@@ -954,7 +979,8 @@ class Daemon:
             return out
 
         try:
-            info = checkpoint_processes(self.runtime, ck.sandbox_id, self.images, ck.id, fs_commit=fs_commit)
+            with self._inspector_pause(ck.sandbox_id, d):
+                info = checkpoint_processes(self.runtime, ck.sandbox_id, self.images, ck.id, fs_commit=fs_commit)
             proc_image = ck.id
             d.update(pause=info.pause_ms / 1000, fs_commit=info.fs_ms / 1000, proc_dump=info.dump_ms / 1000,
                      store=info.store_ms / 1000)

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ebpf._events import MAX_TAGS, Event
-from ebpf._proc import HostProcessTable, ProcessTable, ProcInfo, settled_snapshot, snapshot
+from ebpf._proc import HostProcessTable, ProcessTable, ProcInfo, quiet_baseline, settled_snapshot, snapshot
 from ebpf._turn import DEFAULT_STATELESS, TurnRecorder
 from ebpf.effects import MAX_SAMPLES, Effects
 from ebpf.errors import AlreadyWatched, BPFUnavailable, InvalidArgument, NotWatched
@@ -115,6 +115,10 @@ class _Watched:
     stateless: frozenset[str] = DEFAULT_STATELESS
     outside: tuple[str, ...] = ()
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # crabd's own pause of the sandbox (freeze / CRIU dump / thaw): the
+    # processes before it, and the window whose events are the pause's own
+    pre_pause: dict[int, ProcInfo] | None = None
+    mute: tuple[int, int | None] | None = None
 
 
 class Inspector:
@@ -272,6 +276,8 @@ class Inspector:
             if w is None:
                 continue
             with w.lock:
+                if w.mute is not None and ev.ts >= w.mute[0] and (w.mute[1] is None or ev.ts <= w.mute[1]):
+                    continue  # the freezer's or CRIU's parasite's doing, not the sandbox's
                 if w.cut_ns is not None and ev.ts > w.cut_ns:
                     if w.next_recorder is None:
                         w.next_recorder = TurnRecorder(self._max, w.outside)
@@ -307,6 +313,28 @@ class Inspector:
     def begin_turn(self, sandbox_id: str) -> None:
         w = self._get(sandbox_id)
         w.started_ns = self._clock()
+
+    def before_pause(self, sandbox_id: str) -> None:
+        """crabd is about to freeze (and maybe dump) the sandbox between turns."""
+        w = self._get(sandbox_id)
+        pre = snapshot(self._procs, w.cgroup_path)
+        with w.lock:
+            w.pre_pause, w.mute = pre, (self._clock(), None)
+
+    def after_pause(self, sandbox_id: str) -> None:
+        """The sandbox was thawed: the next turn compares with its quiet state
+        (see `quiet_baseline`); events of the pause itself are dropped."""
+        w = self._get(sandbox_id)
+        with w.lock:
+            base, pre = w.baseline, w.pre_pause
+        if pre is None:
+            return
+        new_base, ran = quiet_baseline(self._procs, w.cgroup_path, base, pre, self._settle)
+        self._drain()
+        with w.lock:
+            w.baseline, w.pre_pause = new_base, None
+            w.recorder.active_pids |= ran
+            w.mute = (w.mute[0] if w.mute else self._clock(), self._clock())
 
     def end_turn(self, sandbox_id: str) -> Effects:
         w = self._get(sandbox_id)

@@ -175,3 +175,50 @@ def settled_snapshot(
         if not moving:
             break
     return after
+
+
+def quiet_baseline(
+    table: ProcessTable,
+    cgroup_path: Path,
+    baseline: dict[int, ProcInfo],
+    pre_pause: dict[int, ProcInfo],
+    max_wait: float,
+    step: float = 0.01,
+) -> tuple[dict[int, ProcInfo], set[int]]:
+    """The turn baseline after crabd paused the sandbox (freeze, CRIU dump,
+    thaw), and the pids that really ran before the pause.
+
+    A freeze wakes every task into the freezer and a CRIU dump runs parasite
+    code inside each one, so after the thaw every process's context switches
+    (and CPU time) have moved: compared with the old baseline, every idle
+    background process would look as if it ran in the next turn, making
+    every later turn FS_PROC. The checkpoint holds whatever happened before
+    the pause, so the next turn is compared with the quiet state after the
+    thaw instead, with three exceptions that keep the plan conservative:
+    - a process that ran between the baseline and the pause (`pre_pause`)
+      is returned in the `ran` set, so the next turn still reports it;
+    - a process that is new since the baseline stays out of the new
+      baseline, so the next turn still reports it as new;
+    - a process that exited keeps its old entry, so it is reported as exited.
+    After the thaw, tasks are sampled `step` apart until none moves (for at
+    most `max_wait`); one still moving then is added to `ran`."""
+    ran = {p for p, i in pre_pause.items()
+           if p in baseline and baseline[p].start == i.start and i.ran_since(baseline[p])}
+    post = snapshot(table, cgroup_path)
+    deadline = time.monotonic() + max_wait
+    while True:
+        time.sleep(step)
+        again = snapshot(table, cgroup_path)
+        moving = {p for p, b in again.items()
+                  if p in post and (b.running or b.switches != post[p].switches or b.cpu != post[p].cpu)}
+        post = again
+        if not moving:
+            break
+        if time.monotonic() >= deadline:
+            ran |= moving
+            break
+    new_base: dict[int, ProcInfo] = {}
+    for p, old in baseline.items():
+        cur = post.get(p)
+        new_base[p] = cur if cur is not None and cur.start == old.start else old
+    return new_base, ran

@@ -20,10 +20,10 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from ebpf._proc import HostProcessTable, ProcessTable, ProcInfo, settled_snapshot, snapshot
+from ebpf._proc import HostProcessTable, ProcessTable, ProcInfo, quiet_baseline, settled_snapshot, snapshot
 from ebpf._turn import DEFAULT_STATELESS, TurnRecorder, external_tool, package_manager
 from ebpf.effects import MAX_SAMPLES, Effects, ExecRecord, Sample
 from ebpf.errors import AlreadyWatched, NotWatched
@@ -44,6 +44,8 @@ class _Watched:
     turn: int = 0
     started_ns: int = 0
     stateless: frozenset[str] = DEFAULT_STATELESS
+    pre_pause: dict[int, ProcInfo] | None = None
+    ran: set[int] = field(default_factory=set)  # ran before crabd's last pause
 
 
 class ProcInspector:
@@ -113,6 +115,21 @@ class ProcInspector:
     def begin_turn(self, sandbox_id: str) -> None:
         self._get(sandbox_id).started_ns = self._clock()
 
+    def before_pause(self, sandbox_id: str) -> None:
+        """As `Inspector.before_pause`."""
+        w = self._get(sandbox_id)
+        w.pre_pause = snapshot(self._procs, w.cgroup_path)
+
+    def after_pause(self, sandbox_id: str) -> None:
+        """As `Inspector.after_pause`: the next turn compares with the quiet
+        state after the thaw; what ran before the pause is still reported."""
+        w = self._get(sandbox_id)
+        if w.pre_pause is None:
+            return
+        w.baseline, ran = quiet_baseline(self._procs, w.cgroup_path, w.baseline, w.pre_pause, self._settle)
+        w.ran |= ran
+        w.pre_pause = None
+
     def end_turn(self, sandbox_id: str) -> Effects:
         w = self._get(sandbox_id)
         after = settled_snapshot(self._procs, w.cgroup_path, w.baseline, self._settle)
@@ -120,6 +137,7 @@ class ProcInspector:
         before, w.baseline = w.baseline, after
         w.turn += 1
         rec = TurnRecorder(self._max)
+        rec.active_pids, w.ran = set(w.ran), set()
         notes = [COARSE_NOTE]
         changed = self._probe(sandbox_id) if self._probe is not None else None
         if changed is None:

@@ -43,15 +43,18 @@ def crabd(runtime, busybox_image, debian_image):
         cleanup_state_dir(state)
 
 
-def wait_captured(c: Client, sid: str, timeout: float = 30) -> list[dict]:
+def wait_captured(c: Client, sid: str, timeout: float = 240) -> list[dict]:
     """The sandbox's checkpoints once committed and sized (`bytes` is filled in
-    after the commit, as idle work, and is part of the digest)."""
+    after the commit, as idle work, and is part of the digest). The timeout is
+    a hang guard for a loaded host, not a latency check."""
     deadline = time.monotonic() + timeout
     while True:
         cks = c.checkpoints(sid)
-        if all(k["state"] == "committed" and (k["seq"] == 0 or "size" in k["durations"]) for k in cks) \
-                or time.monotonic() > deadline:
+        if all(k["state"] == "committed" and (k["seq"] == 0 or "size" in k["durations"]) for k in cks):
             return cks
+        if time.monotonic() > deadline:
+            raise AssertionError(f"checkpoints of {sid} not committed and sized after {timeout} s: "
+                                 f"{[(k['id'], k['state'], sorted(k['durations'])) for k in cks]}")
         time.sleep(0.05)
 
 
@@ -186,6 +189,25 @@ def test_kill9_crabd_mid_checkpoint_loses_nothing(crabd):
         c.rollback(sid, cid)
     assert c.exec(sid, "cat /tmp/a /tmp/b")["stdout"] == "one\ntwo\n"
     c.delete_sandbox(sid)
+
+
+def test_an_idle_background_process_is_not_dumped_every_turn(crabd):
+    """crabd's own freeze and CRIU dump wake every process; that must not make
+    the next turns FS_PROC (the inspector's baseline moves to the quiet state
+    after the thaw), while a process that keeps working still is dumped."""
+    c = crabd.client()
+    sid = c.create_sandbox("busybox")["id"]
+    try:
+        first = c.exec(sid, "sleep 1000 >/dev/null 2>&1 &")
+        assert first["plan"] == "FS_PROC", first["reasons"]
+        plans = [c.exec(sid, "cat /etc/passwd")["plan"] for _ in range(4)]
+        assert "FS_PROC" not in plans, [k["reasons"] for k in c.checkpoints(sid)[-4:]]
+        # the control: a background loop that works all the time is dumped again
+        c.exec(sid, "(while :; do echo x >> /tmp/loop; usleep 100000; done) >/dev/null 2>&1 &")
+        busy = [c.exec(sid, "cat /etc/passwd")["plan"] for _ in range(2)]
+        assert busy == ["FS_PROC", "FS_PROC"], busy
+    finally:
+        c.delete_sandbox(sid)
 
 
 def test_fork_four_sandboxes_diverge_independently(crabd):
