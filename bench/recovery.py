@@ -71,6 +71,8 @@ from crabd.runtime import Runtime  # noqa: E402
 from crabd.testing import CRABD, DaemonHandle, cleanup_state_dir  # noqa: E402
 from crabd.traces import Trace, load_traces  # noqa: E402
 
+import inputs  # noqa: E402  (bench/inputs.py: trace images and PyPI inputs)
+
 METHODS = ("chat-only", "replay", "full", "crabd-fs", "crabd")
 DAEMON_METHODS = ("crabd", "crabd-fs", "full")   # also the order they run in: crabd picks the daemon k
 CAPTURE = {"full": "full", "crabd-fs": "fs-only", "crabd": "auto"}
@@ -162,19 +164,12 @@ class Bench:
 
     # -- setup ------------------------------------------------------------------------------------
     def prepare(self, traces: list[Trace]) -> None:
-        sources = [Path(os.environ.get("CRABD_TEST_STATE_DIR", "/var/lib/crabd-test")),
-                   Path("/var/lib/crabd-demo"), Path("/var/lib/crabd")]
+        """Import every trace's image (found in a known cache, or built once by
+        bench/inputs.py) and fetch the traces' PyPI inputs into the cache."""
         for image in sorted({t.image for t in traces}):
-            for d in sources:
-                if (d / "images").is_dir() and Runtime(d).images.exists(image):
-                    self.rt.images.import_path(Runtime(d).images.get(image).path, image)
-                    break
-            else:
-                if image != "debian-py":
-                    raise SystemExit(f"image {image!r} not found in {', '.join(map(str, sources))}: import it "
-                                     f"there (crabd image import) or use traces on debian-py")
-                print("building debian-py with debootstrap (once, ~1 min) ...", file=sys.stderr)
-                self.rt.images.build_debian(image)
+            if not self.rt.images.exists(image):
+                self.rt.images.import_path(str(inputs.image_rootfs(image)), image)
+        inputs.fetch(sorted({n for t in traces for n in t.inputs}))
 
     def serve(self, args: list[str]) -> None:
         self.stop_daemon()
@@ -217,9 +212,9 @@ class Bench:
         assert self.dh is not None
         sid = self.dh.client().create_sandbox(image)["id"]
 
-        def run(cmd: str | list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
+        def run(cmd: str | list[str], env: dict[str, str] | None = None, stdin: str | None = None) -> dict[str, Any]:
             assert self.dh is not None
-            return self.dh.client().exec(sid, cmd, timeout=600, env=env)
+            return self.dh.client().exec(sid, cmd, timeout=600, env=env, stdin=stdin)
 
         def destroy() -> None:
             assert self.dh is not None
@@ -228,7 +223,8 @@ class Bench:
 
     def bare_box(self, image: str) -> Box:
         sb = self.rt.create(image)
-        return Box(sb.id, lambda cmd, env=None: self.rt.exec(sb.id, cmd, env=env, timeout=600).to_dict(),
+        return Box(sb.id, lambda cmd, env=None, stdin=None: self.rt.exec(sb.id, cmd, env=env, stdin=stdin,
+                                                                          timeout=600).to_dict(),
                    lambda: self.rt.destroy(sb.id))
 
     def kill_all(self, sid: str) -> None:
@@ -241,18 +237,15 @@ class Bench:
 
     # -- the agent ----------------------------------------------------------------------------------
     def start(self, t: Trace, box: Box) -> list[dict[str, Any]]:
-        replies = []
-        for path, content in t.files.items():
-            d = os.path.dirname(path)
-            r = box.run(f"mkdir -p '{d}' && cat > '{path}' <<'CRABD_EOF'\n{content}CRABD_EOF")
-            if r["exit_code"] != 0:
-                raise RuntimeError(f"{t.name}: writing {path}: {r['stderr']}")
+        """The task's inputs, files and setup (bench/inputs.prelude); the exec replies."""
+        replies: list[dict[str, Any]] = []
+
+        def run(cmd: list[str] | str, stdin: str | None) -> dict[str, Any]:
+            r = box.run(cmd, None, stdin)
             replies.append(r)
-        for cmd in t.setup:
-            r = box.run(cmd)
-            if r["exit_code"] != 0:
-                raise RuntimeError(f"{t.name}: setup {cmd!r}: {r['stderr']}")
-            replies.append(r)
+            return r
+
+        inputs.prelude(t, run)
         return replies
 
     def wait(self, t: Trace, i: int) -> None:
