@@ -984,7 +984,11 @@ class Daemon:
             proc_image = ck.id
             d.update(pause=info.pause_ms / 1000, fs_commit=info.fs_ms / 1000, proc_dump=info.dump_ms / 1000,
                      store=info.store_ms / 1000)
-            proc_bytes = info.raw_bytes
+            # Bytes written: crabd's store de-duplicates and compresses, so a
+            # dump of a process whose memory barely changed costs little;
+            # `full` counts the raw image, as an exported checkpoint would.
+            from .capture import FULL_REASON as _FULL
+            proc_bytes = info.raw_bytes if _FULL in ck.reasons else info.written_bytes
         except (DeltacrError, CrabdError) as e:
             error = str(e)
             proc_bytes = 0

@@ -35,7 +35,7 @@ import struct
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -71,6 +71,10 @@ class Manifest:
     files: tuple[FileEntry, ...]
     meta: dict  # type: ignore[type-arg]  # caller's data (options, sandbox, timings)
     digest: str  # blake3 over the canonical body
+    # Bytes this checkpoint's `put` added to the store: its new (compressed)
+    # chunks plus its manifest; chunks shared with earlier images cost
+    # nothing. 0 for a manifest read back from disk (not part of the body).
+    written: int = field(default=0, compare=False)
 
     @property
     def raw_bytes(self) -> int:
@@ -284,6 +288,7 @@ class ImageStore:
                     pass  # fixed-size chunks for its pages: still correct, less de-duplication
         cctx = zstandard.ZstdCompressor(level=self.level)
         files = []
+        written = 0
         for n in names:
             p = image_dir / n
             st = p.stat()
@@ -297,7 +302,7 @@ class ImageStore:
                         raise InvalidArgument(f"image file {p} changed while being stored")
                     whole.update(data)
                     key = blake3.blake3(data).hexdigest()
-                    self._put_chunk(key, data, cctx)
+                    written += self._put_chunk(key, data, cctx)
                     chunks.append((key, ln))
             files.append(FileEntry(n, st.st_size, st.st_mode & 0o7777, whole.hexdigest(), tuple(chunks)))
         body_m = Manifest(checkpoint_id, time.time(), tuple(files), dict(meta or {}), "")
@@ -308,22 +313,26 @@ class ImageStore:
         for lg in logs:
             if os.path.isfile(lg):
                 shutil.copyfile(lg, ld / os.path.basename(lg))
-        _atomic_write(self._manifest_path(checkpoint_id), json.dumps({**body, "digest": digest}).encode(),
-                      self.root / "tmp")
-        return Manifest(checkpoint_id, body["created"], tuple(files), body["meta"], digest)
+        doc = json.dumps({**body, "digest": digest}).encode()
+        _atomic_write(self._manifest_path(checkpoint_id), doc, self.root / "tmp")
+        return Manifest(checkpoint_id, body["created"], tuple(files), body["meta"], digest,
+                        written=written + len(doc))
 
-    def _put_chunk(self, key: str, data: bytes, cctx: zstandard.ZstdCompressor) -> None:
+    def _put_chunk(self, key: str, data: bytes, cctx: zstandard.ZstdCompressor) -> int:
+        """Store one chunk unless the store has it; the bytes written."""
         p = self._chunk_path(key)
         if p.exists():
             # Refresh its age: a concurrent gc spares chunks younger than its
             # grace period, so one a put is about to reference survives.
             try:
                 os.utime(p)
-                return
+                return 0
             except FileNotFoundError:
                 pass  # gc took it just now: write it again
         p.parent.mkdir(exist_ok=True)
-        _atomic_write(p, cctx.compress(data), self.root / "tmp")
+        blob = cctx.compress(data)
+        _atomic_write(p, blob, self.root / "tmp")
+        return len(blob)
 
     def get(self, checkpoint_id: str, dest: str | os.PathLike[str]) -> Manifest:
         """Write the image into directory `dest`, checking every chunk and

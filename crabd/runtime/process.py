@@ -69,6 +69,7 @@ class ProcessCheckpoint:
     store_ms: float         # compress + de-duplicate, after the thaw
     fs_result: Any = None   # what fs_commit returned
     digest: str = ""        # the manifest's
+    written_bytes: int = 0  # what the de-duplicated, compressed store actually wrote
 
 
 @dataclass
@@ -163,7 +164,7 @@ def checkpoint_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, check
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return ProcessCheckpoint(checkpoint_id, sb.id, m.raw_bytes, cap.pause_seconds * 1e3, cap.fs_seconds * 1e3,
-                             cap.dump_seconds * 1e3, store_s * 1e3, cap.fs_result, m.digest)
+                             cap.dump_seconds * 1e3, store_s * 1e3, cap.fs_result, m.digest, m.written)
 
 
 # Scratch space for CRIU images on their way into or out of the store: a

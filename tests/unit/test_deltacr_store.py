@@ -92,9 +92,12 @@ def test_unchanged_heap_is_stored_once_even_when_a_region_appears(tmp_path):
 
     def fill2(va):
         return b"\xAB" * PAGE if va == 0x400000 + 100 * PAGE else page_of(va)
-    store.put("c2", write_image(tmp_path / "b", runs2, fill2))
+    m2 = store.put("c2", write_image(tmp_path / "b", runs2, fill2))
     added = store.stats().stored_bytes - after_one
     assert added < after_one * 0.2, (added, after_one)
+    # `written` is what this put added: its new chunks plus its manifest
+    manifest = len(store._manifest_path("c2").read_bytes())
+    assert m2.written == added + manifest, (m2.written, added, manifest)
 
 
 def test_corrupted_chunk_is_refused_before_anything_is_written(tmp_path):
