@@ -1238,10 +1238,8 @@ class Daemon:
                 log.warning("restoring processes of %s into %s failed: %s", ck.id, sid, e)
                 self._event("sandbox.restore_failed", sid, checkpoint=ck.id, error=str(e),
                             fallback="fresh init on the checkpoint's files")
-                try:
-                    self.runtime.stop(sid)
-                except CrabdError:
-                    pass
+                # not runtime.stop: runc may be left waiting on a killed CRIU
+                self.runtime.reset(sid)
         self.runtime.start(sid)
         return "fs"
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import re
 import secrets
@@ -40,6 +41,8 @@ from ..images import ImageStore, validate_name
 from ..runner import Runner, SubprocessRunner
 from .cgroups import CgroupLayout, Freezer, detect_layout
 from .oci import DEFAULT_ENV, INIT_PATH, RUN_PATH, Limits, build_config
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Sandbox", "ExecResult", "Runtime", "DEFAULT_OUTPUT_LIMIT"]
 
@@ -274,6 +277,31 @@ class Runtime:
             self._stop_locked(sb, timeout)
         return self.get(sb.id)
 
+    def reset(self, ref: str, timeout: float = 10.0) -> Sandbox:
+        """After a failed or killed `runc restore`: kill whatever is in the
+        sandbox's cgroup and remove runc's state of it without asking runc
+        (which may be left waiting on a dead CRIU), so `start` can create the
+        container again. The root stays mounted."""
+        sb = self.get(ref)
+        with self._lock(sb.id):
+            fr = Freezer(self.layout, sb.cgroup_rel)
+            try:
+                if fr.state() != "THAWED":
+                    fr.thaw()  # SIGKILL reaches frozen tasks only once thawed
+            except (FailedPrecondition, OSError):
+                pass
+            deadline = time.monotonic() + timeout
+            while (pids := self.pids(sb.id)) and time.monotonic() < deadline:
+                for pid in pids:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    reap(pid)
+                time.sleep(0.01)
+            shutil.rmtree(self.runc_root / sb.id, ignore_errors=True)
+        return self.get(sb.id)
+
     def destroy(self, ref: str) -> None:
         """Kill everything, unmount the root, remove the bundle and its dir.
         Leaves no mounts and no cgroups behind."""
@@ -405,6 +433,7 @@ class Runtime:
     def _stop_locked(self, sb: Sandbox, timeout: float) -> None:
         status, _ = self._status(sb.id)
         if status == "absent":
+            self._clear_stale_state(sb)
             return
         if status in ("running", "paused"):
             # SIGKILL is not delivered to frozen tasks until they thaw. crabd
@@ -429,6 +458,29 @@ class Runtime:
         self._runc("delete", "--force", sb.id, check=False, context=f"runc delete of {sb.id}")
         if self._status(sb.id)[0] != "absent":
             raise FailedPrecondition(f"sandbox {sb.id} could not be stopped", fix=f"runc --root {self.runc_root} delete --force {sb.id}")
+
+    def _clear_stale_state(self, sb: Sandbox) -> None:
+        """runc's state dir of a container that `runc state` cannot read (a
+        restore or create killed half-way writes the dir before state.json):
+        `runc create` would refuse the id ("container with given ID already
+        exists"). Kill whatever is in the sandbox's cgroup, then remove it."""
+        state_dir = self.runc_root / sb.id
+        if not state_dir.is_dir():
+            return
+        fr = Freezer(self.layout, sb.cgroup_rel)
+        try:
+            if fr.state() != "THAWED":
+                fr.thaw()  # SIGKILL reaches frozen tasks only once thawed
+        except (FailedPrecondition, OSError):
+            pass
+        for pid in self.pids(sb.id):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            reap(pid)
+        log.warning("removing runc's unreadable state of %s (%s)", sb.id, state_dir)
+        shutil.rmtree(state_dir, ignore_errors=True)
 
     def _status(self, sid: str) -> tuple[str, int | None]:
         res = self._runc("state", sid, check=False)
