@@ -69,7 +69,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from crabd.errors import CrabdError  # noqa: E402
 from crabd.runtime import Runtime  # noqa: E402
 from crabd.testing import CRABD, DaemonHandle, cleanup_state_dir  # noqa: E402
-from crabd.traces import Trace, load_traces  # noqa: E402
+from crabd.traces import STATE_DIGEST, Trace, load_traces  # noqa: E402
 
 import inputs  # noqa: E402  (bench/inputs.py: trace images and PyPI inputs)
 
@@ -84,23 +84,7 @@ QUICK_TRACES = ("calc-repair", "dev-server", "git-refactor")
 # timestamps differ between equal trees). python3 when the image has it, else
 # the same walk in POSIX sh (busybox). Both are run the same way for the
 # reference and the faulted run of a trace.
-DIGEST_PY = r"""
-import hashlib, os, sys
-h = hashlib.sha256()
-for top in sys.argv[1:]:
-    for d, dirs, files in os.walk(top):
-        dirs[:] = sorted(x for x in dirs if x not in ('.git', '__pycache__'))
-        h.update(b'D' + d.encode() + oct(os.lstat(d).st_mode).encode())
-        for n in sorted(files) + [x for x in dirs if os.path.islink(os.path.join(d, x))]:
-            p = os.path.join(d, n)
-            st = os.lstat(p)
-            h.update(p.encode() + oct(st.st_mode).encode())
-            if os.path.islink(p):
-                h.update(os.readlink(p).encode())
-            elif os.path.isfile(p):
-                h.update(open(p, 'rb').read())
-print(h.hexdigest())
-"""
+DIGEST_PY = STATE_DIGEST  # crabd/traces.py: the one state digest (check_traces uses it too)
 DIGEST_SH = r"""
 if command -v python3 >/dev/null 2>&1; then exec python3 -c "$CRABD_DIGEST_PY" "$@"; fi
 for top in "$@"; do

@@ -83,6 +83,7 @@ h = hashlib.sha256()
 for top in sys.argv[1:]:
     for d, dirs, files in os.walk(top):
         dirs[:] = sorted(x for x in dirs if x not in ('.git', '__pycache__'))
+        h.update(b'D' + d.encode() + oct(os.lstat(d).st_mode).encode())
         for n in sorted(files) + [x for x in dirs if os.path.islink(os.path.join(d, x))]:
             p = os.path.join(d, n)
             st = os.lstat(p)

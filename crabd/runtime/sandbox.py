@@ -284,23 +284,28 @@ class Runtime:
         container again. The root stays mounted."""
         sb = self.get(ref)
         with self._lock(sb.id):
-            fr = Freezer(self.layout, sb.cgroup_rel)
-            try:
-                if fr.state() != "THAWED":
-                    fr.thaw()  # SIGKILL reaches frozen tasks only once thawed
-            except (FailedPrecondition, OSError):
-                pass
-            deadline = time.monotonic() + timeout
-            while (pids := self.pids(sb.id)) and time.monotonic() < deadline:
-                for pid in pids:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                    reap(pid)
-                time.sleep(0.01)
+            self._kill_cgroup_tasks(sb, timeout)
             shutil.rmtree(self.runc_root / sb.id, ignore_errors=True)
         return self.get(sb.id)
+
+    def _kill_cgroup_tasks(self, sb: Sandbox, timeout: float = 10.0) -> None:
+        """SIGKILL every task in the sandbox's cgroup (thawed first: a frozen
+        task gets SIGKILL only once thawed) until it is empty or `timeout`."""
+        fr = Freezer(self.layout, sb.cgroup_rel)
+        try:
+            if fr.state() != "THAWED":
+                fr.thaw()
+        except (FailedPrecondition, OSError):
+            pass
+        deadline = time.monotonic() + timeout
+        while (pids := self.pids(sb.id)) and time.monotonic() < deadline:
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                reap(pid)
+            time.sleep(0.01)
 
     def destroy(self, ref: str) -> None:
         """Kill everything, unmount the root, remove the bundle and its dir.
@@ -467,18 +472,7 @@ class Runtime:
         state_dir = self.runc_root / sb.id
         if not state_dir.is_dir():
             return
-        fr = Freezer(self.layout, sb.cgroup_rel)
-        try:
-            if fr.state() != "THAWED":
-                fr.thaw()  # SIGKILL reaches frozen tasks only once thawed
-        except (FailedPrecondition, OSError):
-            pass
-        for pid in self.pids(sb.id):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            reap(pid)
+        self._kill_cgroup_tasks(sb)
         log.warning("removing runc's unreadable state of %s (%s)", sb.id, state_dir)
         shutil.rmtree(state_dir, ignore_errors=True)
 
