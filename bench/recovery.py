@@ -124,6 +124,8 @@ class RunRecord:
     durations: list[float] = field(default_factory=list)   # per turn, s (the reference run's are the mid-turn clock)
     rollback_ms: float | None = None
     note: str = ""
+    external_calls: int = 0          # distinct external calls that reached the outside world
+    duplicate_calls: int = 0         # repeats of one of them (a side effect done twice)
 
 
 @dataclass
@@ -135,6 +137,59 @@ class Box:
     destroy: Callable[[], None]
 
 
+class Outside:
+    """The outside world of the traces' external calls (`turn.external`): an
+    HTTP service on the host that counts every call it receives by operation
+    and arguments. Each attempt carries a fresh `request_id`, as a regenerated
+    tool call after a restart does, so a repeat is a side effect done twice."""
+
+    def __init__(self) -> None:
+        import collections
+        import http.server
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.lock = threading.Lock()
+        outside = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+                body = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
+                args = {k: v for k, v in (body.get("args") or {}).items() if k != "request_id"}
+                key = json.dumps({"op": body.get("op"), "args": args}, sort_keys=True)
+                with outside.lock:
+                    outside.counts[key] += 1
+                    n = sum(outside.counts.values())
+                out = json.dumps({"id": f"ext-{n}", "op": body.get("op")}).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *a: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/call"
+
+    def call(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        import urllib.request
+        req = urllib.request.Request(self.url, data=json.dumps({"op": op, "args": args}).encode(),
+                                     headers={"content-type": "application/json"}, method="POST")
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.loads(r.read())
+
+    def take(self) -> tuple[int, int]:
+        """(distinct calls, repeats) since the last take; starts a new count."""
+        with self.lock:
+            distinct, total = len(self.counts), sum(self.counts.values())
+            self.counts.clear()
+        return distinct, total - distinct
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
 class Bench:
     def __init__(self, a: argparse.Namespace) -> None:
         self.a = a
@@ -143,6 +198,7 @@ class Bench:
         self.dh: DaemonHandle | None = None
         self.k_daemon: dict[str, int] = {}
         self.unsized: list[tuple[RunRecord, Box, int]] = []   # fault-free runs whose bytes are still counted
+        self.outside = Outside()
         self.capture_flag = "--capture" in subprocess.run([CRABD, "serve", "--help"], capture_output=True,
                                                           text=True, timeout=60).stdout
 
@@ -183,6 +239,7 @@ class Bench:
             self.dh = None
 
     def close(self) -> None:
+        self.outside.close()
         self.stop_daemon()
         for sb in self.rt.list():
             try:
@@ -260,9 +317,24 @@ class Bench:
         return threading.Timer(delay, self.kill_all, (sid,))
 
     # -- bare runtime: the reference, chat-only, replay --------------------------------------------------
+    def external(self, t: Trace, i: int, box: Box, ledger: bool) -> None:
+        """The agent's external call after turn i (if it has one): directly, or
+        (crabd methods) through crabd's effects ledger, which replays a call
+        already committed in the sandbox's lineage instead of repeating it."""
+        ext = t.turns[i].external
+        if ext is None:
+            return
+        args = {**ext.args, "request_id": os.urandom(8).hex()}  # regenerated on every attempt
+        if ledger:
+            assert self.dh is not None
+            self.dh.client().effect_call(box.sid, ext.op, args, lambda: self.outside.call(ext.op, args))
+        else:
+            self.outside.call(ext.op, args)
+
     def run_bare(self, t: Trace, method: str, fault: str | None = None, k: int | None = None,
                  ref: RunRecord | None = None) -> tuple[RunRecord, Verdict]:
         rec = RunRecord(t.name, method, fault, k)
+        self.outside.take()  # a count of this run only
         box = self.bare_box(t.image)
         try:
             self.start(t, box)
@@ -283,12 +355,14 @@ class Bench:
                 t1 = time.monotonic()
                 box.run(t.turns[pos].run)
                 rec.durations.append(time.monotonic() - t1)
+                self.external(t, pos, box, ledger=False)
                 pos += 1
                 if fault in ("boundary", "daemon") and pos == k and rec.rollback_ms is None:
                     self.kill_all(box.sid)
                     box, rec.rollback_ms = self.fresh(t, box, method, pos)
                 self.wait(t, pos - 1)
             rec.seconds = time.monotonic() - t0
+            rec.external_calls, rec.duplicate_calls = self.outside.take()
             return rec, self.verdict(t, box)
         finally:
             box.destroy()
@@ -300,8 +374,9 @@ class Bench:
         box = self.bare_box(t.image)
         self.start(t, box)
         if method == "replay":
-            for turn in t.turns[:done]:
-                box.run(turn.run)   # commands from the transcript: no LLM waits
+            for i, turn in enumerate(t.turns[:done]):
+                box.run(turn.run)   # tool calls from the transcript: no LLM waits
+                self.external(t, i, box, ledger=False)
         return box, (time.monotonic() - t0) * 1000
 
     # -- through crabd ----------------------------------------------------------------------------------
@@ -357,6 +432,7 @@ class Bench:
                    ref: RunRecord | None = None, quick: bool = False) -> tuple[RunRecord, Verdict]:
         assert self.dh is not None
         rec = RunRecord(t.name, method, fault, k)
+        self.outside.take()  # a count of this run only
         box = self.daemon_box(t.image)
         kept = False
         try:
@@ -394,6 +470,7 @@ class Bench:
                 rec.stall_ms.append(r["stall_ms"])
                 rec.plans.append(r["plan"])
                 pos_of[r["turn"]] = pos + 1
+                self.external(t, pos, box, ledger=True)
                 pos += 1
                 done = pos - 1
                 if rec.rollback_ms is None and self.fault_here(t, fault, k, pos, r, quick):
@@ -401,6 +478,7 @@ class Bench:
                     pos = self.inject(t, box, fault or "", r, pos_of, rec, since_pre)
                 self.wait(t, done)
             rec.seconds = time.monotonic() - t0
+            rec.external_calls, rec.duplicate_calls = self.outside.take()
             last_turn = max(t_ for t_, p_ in pos_of.items() if p_ == n)
             verdict = self.verdict(t, box)
             if fault is None:

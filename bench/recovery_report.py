@@ -66,6 +66,12 @@ def summarize(records: list[RunRecord], methods: list[str], faults: list[str], t
             "skip_fraction": round(plans.count("SKIP") / len(plans), 3) if plans else None,
             "fault_free_correct": all(bool(r.correct) for r in clean) if clean else None,
             "wrong": [f"{r.trace} {r.fault}@{r.k}" for r in faulted if not r.correct],
+            # external calls (turn.external) of the faulted runs that reached the outside
+            # world more than once: side effects done twice after a recovery
+            "external_calls": sum(r.external_calls for r in faulted),
+            "duplicate_effect_pct": (round(100 * sum(r.duplicate_calls for r in faulted)
+                                           / sum(r.external_calls for r in faulted), 1)
+                                     if sum(r.external_calls for r in faulted) else None),
         }
         if clean:
             base = sum(refs[r.trace].seconds for r in clean)

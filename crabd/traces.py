@@ -19,22 +19,31 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import InvalidArgument
 
-__all__ = ["Trace", "Turn", "Check", "load_trace", "load_traces", "STATE_DIGEST"]
+__all__ = ["Trace", "Turn", "Check", "ExternalCall", "load_trace", "load_traces", "STATE_DIGEST"]
 
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class ExternalCall(_Model):
+    """A call to the outside world the agent makes after the turn's command
+    (a PR opened, a message sent): what no rollback can undo."""
+    op: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+    args: dict[str, Any] = Field(default_factory=dict)
+
+
 class Turn(_Model):
     run: str = Field(min_length=1, description="shell command of this turn (run by /bin/sh -c)")
     llm_wait_ms: int = Field(2000, ge=0, le=600_000, description="the agent's LLM wait after this turn")
     expect_exit: int | None = Field(None, description="exit code the turn must have (None: any)")
+    external: ExternalCall | None = Field(None, description="an external call made after the command")
 
 
 class Check(_Model):

@@ -2,7 +2,8 @@
 bench/recovery.py --quick runs each fault (boundary, mid-turn, daemon; one
 trace, so it takes all three in rotation) for every method this crabd has,
 and its JSON has the documented shape; crabd recovers correctly and
-chat-only does not."""
+chat-only does not; the trace's external call reaches the outside world
+once through crabd's effects ledger, and twice under replay."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ def _trace(name: str, extra: str) -> dict:
         "name": name, "image": "busybox", "description": "tiny test trace",
         "files": {"/work/a.txt": "one\n"},
         "turns": [
-            {"run": "echo two >> /work/a.txt", "llm_wait_ms": 200},
+            # an external call (a ticket opened): replay repeats it, crabd's ledger must not
+            {"run": "echo two >> /work/a.txt", "llm_wait_ms": 200,
+             "external": {"op": "tickets.create", "args": {"title": f"{name}: two"}}},
             {"run": f"mkdir -p /work/d && echo {extra} > /work/d/x", "llm_wait_ms": 200},
             {"run": "for i in 1 2 3 4 5; do echo $i >> /work/log; sleep 0.1; done", "llm_wait_ms": 200},
             {"run": "ls /work", "llm_wait_ms": 200},
@@ -76,6 +79,9 @@ def test_recovery_bench_quick_on_busybox(tmp_path, busybox_image):
     assert crabd["rollback_ms"]["p50"] is not None and crabd["skip_fraction"] is not None
     assert res["methods"]["chat-only"]["correct_pct"] == 0.0, res["methods"]["chat-only"]["wrong"]
     assert res["methods"]["replay"]["correct_pct"] == 100.0, res["methods"]["replay"]["wrong"]
+    # the external call of turn 1: through crabd's effects ledger never twice; replay repeats it
+    assert crabd["external_calls"] > 0 and crabd["duplicate_effect_pct"] == 0.0, crabd
+    assert res["methods"]["replay"]["duplicate_effect_pct"] > 0, res["methods"]["replay"]
     if "crabd-fs" in res["methods"]:  # these traces keep no state in processes
         assert res["methods"]["crabd-fs"]["correct_pct"] == 100.0, res["methods"]["crabd-fs"]["wrong"]
     faults = {(r["method"], r["fault"]) for r in res["runs"] if r["fault"]}
