@@ -59,7 +59,8 @@ IMAGES: dict[str, tuple[str, ...]] = {
     "debian-build": DEBIAN_BUILD_PACKAGES,
 }
 # Where already-built images may be found (the test suite's and the demo's caches).
-IMAGE_SOURCES = [Path("/var/lib/crabd-test/images"), CACHE / "images", Path("/var/lib/crabd-demo/images"),
+IMAGE_SOURCES = [Path(os.environ.get("CRABD_TEST_STATE_DIR", "/var/lib/crabd-test")) / "images", CACHE / "images",
+                 Path("/var/lib/crabd-demo/images"),
                  Path("/var/lib/crabd/images")]
 
 
