@@ -45,6 +45,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from crabd.runtime import Runtime  # noqa: E402
+from crabd.testing import busybox_rootfs  # noqa: E402
 from crabd.runtime.process import (CheckpointableRunner, checkpoint_processes, discard_standby,  # noqa: E402
                                    list_standbys, prepare_standby, promote_standby, restore_processes)
 from crabd.runtime.process import _scratch  # noqa: E402
@@ -72,14 +73,7 @@ def busybox_image(rt: Runtime) -> str:
     name = "busybox"
     if rt.images.exists(name):
         return name
-    src = Path(tempfile.mkdtemp(prefix="bb-")) / "rootfs"
-    for d in ("bin", "tmp", "etc", "root"):
-        (src / d).mkdir(parents=True, exist_ok=True)
-    shutil.copy2("/bin/busybox", src / "bin" / "busybox")
-    for a in subprocess.run(["/bin/busybox", "--list"], capture_output=True, text=True, check=True).stdout.split():
-        if a != "busybox":
-            (src / "bin" / a).symlink_to("busybox")
-    (src / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
+    src = busybox_rootfs(Path(tempfile.mkdtemp(prefix="bb-")) / "rootfs")
     rt.images.import_path(str(src), name)
     shutil.rmtree(src.parent, ignore_errors=True)
     return name

@@ -33,7 +33,6 @@ import os
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -47,7 +46,7 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from crabd.testing import DaemonHandle, cleanup_state_dir  # noqa: E402
+from crabd.testing import DaemonHandle, busybox_rootfs, cleanup_state_dir  # noqa: E402
 
 
 class Service:
@@ -100,13 +99,7 @@ class Service:
 def busybox_state(base: str) -> Path:
     from crabd.runtime import Runtime
     st = Path(tempfile.mkdtemp(prefix="crabd-bench-effects-", dir=base))
-    src = st / "bb-src"
-    for d in ("bin", "tmp", "etc", "root"):
-        (src / d).mkdir(parents=True, exist_ok=True)
-    shutil.copy2("/bin/busybox", src / "bin" / "busybox")
-    for a in subprocess.run(["/bin/busybox", "--list"], capture_output=True, text=True, check=True).stdout.split():
-        if a != "busybox":
-            (src / "bin" / a).symlink_to("busybox")
+    src = busybox_rootfs(st / "bb-src")
     Runtime(st).images.import_path(str(src), "busybox")
     shutil.rmtree(src)
     return st

@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import random
-import shutil
 import sys
 import tempfile
 import threading

@@ -36,7 +36,6 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -48,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from crabd.runtime import Runtime  # noqa: E402
-from crabd.testing import DaemonHandle, cleanup_state_dir  # noqa: E402
+from crabd.testing import DaemonHandle, busybox_rootfs, cleanup_state_dir  # noqa: E402
 
 TEST_STATE = Path(os.environ.get("CRABD_TEST_STATE_DIR", "/var/lib/crabd-test"))
 
@@ -180,15 +179,7 @@ def ensure_image(rt: Runtime, image: str) -> str:
     if image != "busybox":
         raise SystemExit(f"image {image!r} not in {TEST_STATE}: run the integration tests once "
                          f"(or `crabd image build-debian debian-py`)")
-    src = Path(tempfile.mkdtemp(prefix="bb-", dir="/var/tmp")) / "rootfs"
-    for d in ("bin", "tmp", "etc", "root"):
-        (src / d).mkdir(parents=True, exist_ok=True)
-    import shutil
-    shutil.copy2("/bin/busybox", src / "bin" / "busybox")
-    for a in subprocess.run(["/bin/busybox", "--list"], capture_output=True, text=True, check=True).stdout.split():
-        if a != "busybox":
-            (src / "bin" / a).symlink_to("busybox")
-    (src / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
+    src = busybox_rootfs(Path(tempfile.mkdtemp(prefix="bb-", dir="/var/tmp")) / "rootfs")
     rt.images.import_path(str(src), image)
     return rt.images.get(image).path
 

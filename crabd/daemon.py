@@ -970,7 +970,9 @@ class Daemon:
         end of the CRIU dump. A refused dump still leaves a file-system
         checkpoint (committed, without a process image, with the reason)."""
         from deltacr import DeltacrError
+        from .capture import FULL_REASON
         from .runtime.process import checkpoint_processes
+        full = FULL_REASON in ck.reasons
         proc_image: str | None = None
         error: str | None = None
         def fs_commit() -> Any:
@@ -987,8 +989,7 @@ class Daemon:
             # Bytes written: crabd's store de-duplicates and compresses, so a
             # dump of a process whose memory barely changed costs little;
             # `full` counts the raw image, as an exported checkpoint would.
-            from .capture import FULL_REASON as _FULL
-            proc_bytes = info.raw_bytes if _FULL in ck.reasons else info.written_bytes
+            proc_bytes = info.raw_bytes if full else info.written_bytes
         except (DeltacrError, CrabdError) as e:
             error = str(e)
             proc_bytes = 0
@@ -997,8 +998,6 @@ class Daemon:
                 # The dump was refused before the file system was committed
                 # (or the commit itself failed): take the FS checkpoint now.
                 self._frozen_fs_checkpoint(ck.sandbox_id, row.fs_key, ck.id, d)
-        from .capture import FULL_REASON
-        full = FULL_REASON in ck.reasons
         if full:
             # The baseline: a tar of every file that differs from the image.
             t = time.monotonic()

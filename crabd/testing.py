@@ -27,7 +27,7 @@ from .runner import Captured, Completed
 if TYPE_CHECKING:
     from .client import Client
 
-__all__ = ["FakeRunner", "DaemonHandle", "cleanup_state_dir"]
+__all__ = ["FakeRunner", "DaemonHandle", "busybox_rootfs", "cleanup_state_dir", "wait_until"]
 
 CRABD = str(Path(sys.executable).parent / "crabd")
 
@@ -135,7 +135,54 @@ class DaemonHandle:
     def client(self) -> Client:
         return _client(self.socket)
 
+    def shutdown(self, strict: bool = False) -> None:
+        """Delete every sandbox through the API (while crabd is up), then stop
+        it. `strict`: a failed delete is raised (after the stop), else ignored."""
+        try:
+            if self.proc and self.proc.poll() is None:
+                c = self.client()
+                for sb in c.sandboxes():
+                    c.delete_sandbox(sb["id"])
+        except Exception:
+            if strict:
+                raise
+        finally:
+            self.stop()
+
 
 def _client(socket: Path) -> "Client":
     from .client import Client  # the client imports httpx; unit fakes above do not need it
     return Client(socket)
+
+
+def wait_until(pred: Callable[[], object], what: str, timeout: float = 120, interval: float = 0.1) -> object:
+    """Poll `pred` until it returns something truthy, and return that. A hang
+    guard for a loaded host, not a latency check: after `timeout` seconds it
+    fails the test, naming `what` it waited for."""
+    end = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > end:
+            raise AssertionError(f"hang guard: no {what} after {timeout} s")
+        time.sleep(interval)
+
+
+def busybox_rootfs(dst: Path) -> Path:
+    """Fill `dst` with a minimal image root: static busybox and its applet
+    links, nothing else (the tests' and benches' busybox image)."""
+    busybox = Path("/bin/busybox")
+    if not busybox.exists():
+        raise FailedPrecondition("/bin/busybox is missing", fix="run scripts/setup-host (it installs busybox-static)")
+    dst = Path(dst)
+    for d in ("bin", "tmp", "etc", "root"):
+        (dst / d).mkdir(parents=True, exist_ok=True)
+    shutil.copy2(busybox, dst / "bin" / "busybox")
+    applets = subprocess.run([str(busybox), "--list"], capture_output=True, text=True, check=True,
+                             timeout=30).stdout.split()
+    for a in applets:
+        if a != "busybox":
+            (dst / "bin" / a).symlink_to("busybox")
+    (dst / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
+    return dst

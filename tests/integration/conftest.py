@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -54,18 +53,12 @@ def runtime():
 
 def _busybox_rootfs(dst: Path) -> Path:
     """A minimal image: static busybox and its applet links, nothing else."""
-    busybox = Path("/bin/busybox")
-    if not busybox.exists():
-        pytest.fail("busybox-static missing: run scripts/setup-host", pytrace=False)
-    for d in ("bin", "tmp", "etc", "root"):
-        (dst / d).mkdir(parents=True, exist_ok=True)
-    shutil.copy2(busybox, dst / "bin" / "busybox")
-    applets = subprocess.run([str(busybox), "--list"], capture_output=True, text=True, check=True).stdout.split()
-    for a in applets:
-        if a != "busybox":
-            (dst / "bin" / a).symlink_to("busybox")
-    (dst / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
-    return dst
+    from crabd.errors import FailedPrecondition
+    from crabd.testing import busybox_rootfs
+    try:
+        return busybox_rootfs(dst)
+    except FailedPrecondition as e:
+        pytest.fail(f"{e.message} (fix: {e.fix})", pytrace=False)
 
 
 @pytest.fixture(scope="session")
@@ -136,12 +129,5 @@ def start_daemon(runtime, busybox_image):
 
     yield start
     for d in made:
-        try:
-            if d.proc and d.proc.poll() is None:
-                c = d.client()
-                for sb in c.sandboxes():
-                    c.delete_sandbox(sb["id"])
-        except Exception:
-            pass
-        d.stop()
+        d.shutdown()
         cleanup_state_dir(d.state)

@@ -53,14 +53,7 @@ def security_daemon(runtime: Any, images: tuple[str, ...] = ("busybox",), env: d
         yield d, f"http://127.0.0.1:{port}"
     finally:
         if d is not None:
-            try:
-                if d.proc and d.proc.poll() is None:
-                    c = d.client()
-                    for sb in c.sandboxes():
-                        c.delete_sandbox(sb["id"])
-            except Exception:
-                pass
-            d.stop()
+            d.shutdown()
         cleanup_state_dir(st)
         for p in conf.iterdir():
             p.unlink()

@@ -48,7 +48,8 @@ async def settled(d: Daemon, cids: list[str], timeout: float = 120) -> list:
             pytest.fail(f"a checkpoint failed: {[(k.id, k.error) for k in cks]}")
         if all(k.state == "committed" and k.id in sized for k in cks):
             return cks
-        assert time.monotonic() < deadline, f"checkpoints not committed and sized in {timeout} s: {cks}"
+        if time.monotonic() > deadline:
+            raise AssertionError(f"hang guard: checkpoints not committed and sized after {timeout} s: {cks}")
         await asyncio.sleep(0.05)
 
 

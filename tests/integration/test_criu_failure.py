@@ -18,8 +18,9 @@ capture mode full, so every turn dumps the sandbox's processes.
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
+
+from crabd.testing import wait_until
 
 WRAPPER = r"""#!/bin/sh
 # test_criu_failure: CRIU that fails on demand (see CTRL)
@@ -51,19 +52,11 @@ exec "$REAL" "$@"
 """
 
 
-def _wait(pred, what: str, timeout: float = 120):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
 def _committed(c, cid: str) -> dict:
-    return _wait(lambda: (lambda ck: ck if ck["state"] != "pending" else None)(c.checkpoint(cid)),
-                 f"checkpoint {cid} to settle")
+    def settled() -> dict | None:
+        ck = c.checkpoint(cid)
+        return ck if ck["state"] != "pending" else None
+    return wait_until(settled, f"settled checkpoint {cid}", interval=0.2)
 
 
 def test_criu_fails_mid_dump_and_mid_restore(start_daemon, tmp_path):

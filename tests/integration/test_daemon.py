@@ -10,7 +10,6 @@ import os
 import signal
 import stat
 import subprocess
-import sys
 import tempfile
 import time
 import zipfile
@@ -23,7 +22,7 @@ from crabd.client import Client
 from crabd.errors import FailedPrecondition, NotFound
 from crabd.runtime import Runtime
 
-from crabd.testing import CRABD, DaemonHandle, cleanup_state_dir
+from crabd.testing import CRABD, DaemonHandle, cleanup_state_dir, wait_until
 
 @pytest.fixture(scope="module")
 def crabd(runtime, busybox_image, debian_image):
@@ -35,27 +34,19 @@ def crabd(runtime, busybox_image, debian_image):
     d.start()
     yield d
     try:
-        c = d.client()
-        for sb in c.sandboxes():
-            c.delete_sandbox(sb["id"])
+        d.shutdown(strict=True)
     finally:
-        d.stop()
         cleanup_state_dir(state)
 
 
 def wait_captured(c: Client, sid: str, timeout: float = 240) -> list[dict]:
     """The sandbox's checkpoints once committed and sized (`bytes` is filled in
-    after the commit, as idle work, and is part of the digest). The timeout is
-    a hang guard for a loaded host, not a latency check."""
-    deadline = time.monotonic() + timeout
-    while True:
+    after the commit, as idle work, and is part of the digest)."""
+    def captured() -> list[dict] | None:
         cks = c.checkpoints(sid)
-        if all(k["state"] == "committed" and (k["seq"] == 0 or "size" in k["durations"]) for k in cks):
-            return cks
-        if time.monotonic() > deadline:
-            raise AssertionError(f"checkpoints of {sid} not committed and sized after {timeout} s: "
-                                 f"{[(k['id'], k['state'], sorted(k['durations'])) for k in cks]}")
-        time.sleep(0.05)
+        done = all(k["state"] == "committed" and (k["seq"] == 0 or "size" in k["durations"]) for k in cks)
+        return cks if done else None
+    return wait_until(captured, f"committed and sized checkpoints of {sid}", timeout, interval=0.05)  # type: ignore[return-value]
 
 
 def tree_digest(c: Client, sid: str, path: str) -> str:

@@ -127,12 +127,8 @@ def daemon(runtime, busybox_image):
         yield d
     finally:
         try:
-            if d.proc and d.proc.poll() is None:
-                c = d.client()
-                for sb in c.sandboxes():
-                    c.delete_sandbox(sb["id"])
+            d.shutdown(strict=True)
         finally:
-            d.stop()
             cleanup_state_dir(st)
 
 

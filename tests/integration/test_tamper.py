@@ -13,11 +13,12 @@ import os
 import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from crabd.testing import wait_until
 
 sys.path.insert(0, str(Path(__file__).parent))
 from security_daemon import ALICE, As, security_daemon  # noqa: E402
@@ -48,15 +49,18 @@ def cat(api: As, sid: str, path: str) -> str:
     return api.ok("POST", f"/v1/sandboxes/{sid}/exec", json={"cmd": ["cat", path]})["stdout"]
 
 
-def committed(api: As, cid: str) -> dict[str, Any]:
-    deadline = time.monotonic() + 120
-    while True:
+def settled(api: As, cid: str) -> dict[str, Any]:
+    """The checkpoint once it is no longer pending (hang guard: 120 s)."""
+    def done() -> dict[str, Any] | None:
         c = api.ok("GET", f"/v1/checkpoints/{cid}")
-        if c["state"] != "pending":
-            assert c["state"] == "committed", c
-            return c
-        assert time.monotonic() < deadline, f"checkpoint {cid} still pending after 120 s"
-        time.sleep(0.1)
+        return c if c["state"] != "pending" else None
+    return wait_until(done, f"settled checkpoint {cid}")  # type: ignore[return-value]
+
+
+def committed(api: As, cid: str) -> dict[str, Any]:
+    c = settled(api, cid)
+    assert c["state"] == "committed", c
+    return c
 
 
 def sandbox_with_checkpoint(api: As) -> tuple[str, dict[str, Any]]:
@@ -157,15 +161,11 @@ def test_automatic_recovery_refuses_a_tampered_checkpoint(btrfs_live: Any) -> No
     since = max([e["seq"] for e in api.ok("GET", "/v1/events", params={"follow": "false"})["events"]] or [0])
     pid = api.ok("GET", f"/v1/sandboxes/{sid}")["pid"]
     os.kill(pid, 9)  # the init dies: the daemon rolls back to the newest checkpoint -- refused
-    deadline = time.monotonic() + 60
-    while True:
+    def recovery_failed() -> list[dict[str, Any]]:
         evs = api.ok("GET", "/v1/events", params={"follow": "false", "since": since, "sandbox": sid})["events"]
-        failed = [e for e in evs if e["kind"] == "sandbox.recovery_failed"]
-        if failed:
-            break
         assert not [e for e in evs if e["kind"] == "sandbox.rolled_back"], evs
-        assert time.monotonic() < deadline, f"no recovery event in 60 s: {evs}"
-        time.sleep(0.2)
+        return [e for e in evs if e["kind"] == "sandbox.recovery_failed"]
+    failed = wait_until(recovery_failed, "sandbox.recovery_failed event", timeout=60, interval=0.2)
     error = failed[0]["data"]["error"]
     assert latest in error and "does not match its digest" in error, failed
     # An explicit rollback to the intact earlier checkpoint brings it back.
@@ -277,10 +277,7 @@ def test_a_new_turn_never_inherits_a_tampered_parent(btrfs_live: Any) -> None:
     turn = committed(api, head)["turn"]
     sql(d, "UPDATE checkpoints SET turn=? WHERE id=?", turn + 5, head)
     cid = api.ok("POST", f"/v1/sandboxes/{sid}/exec", json={"cmd": ["true"]})["checkpoint"]
-    deadline = time.monotonic() + 120
-    while (c := api.ok("GET", f"/v1/checkpoints/{cid}"))["state"] == "pending":
-        assert time.monotonic() < deadline, c
-        time.sleep(0.1)
+    c = settled(api, cid)
     assert c["state"] == "failed" and head in c["error"] and "digest" in c["error"], c
     sql(d, "UPDATE checkpoints SET turn=? WHERE id=?", turn, head)
     nxt = api.ok("POST", f"/v1/sandboxes/{sid}/exec", json={"cmd": ["true"]})["checkpoint"]
