@@ -126,6 +126,7 @@ class RunRecord:
     note: str = ""
     external_calls: int = 0          # distinct external calls that reached the outside world
     duplicate_calls: int = 0         # repeats of one of them (a side effect done twice)
+    rep: int = 0                     # the round of a fault-free run (--reps)
 
 
 @dataclass
@@ -610,6 +611,9 @@ def main() -> int:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--faults", default=",".join(FAULTS), help="boundary,mid-turn,daemon or none")
     ap.add_argument("--time-scale", type=float, default=0.05, help="multiplier of the traces' LLM waits")
+    ap.add_argument("--reps", type=int, default=1,
+                    help="rounds of fault-free runs (bare and each daemon method, interleaved); "
+                         "the overhead is taken from the per-trace medians")
     ap.add_argument("--scale", default=None, help="run the scale benchmark instead: numbers of concurrent sandboxes")
     ap.add_argument("--scale-trace", default="calc-repair", help="the trace every sandbox runs in --scale")
     ap.add_argument("--inspector", choices=("bpf", "proc"), default="bpf",
@@ -654,7 +658,8 @@ def main() -> int:
     traces = pick_traces(traces, a.quick)
     order = [m for m in DAEMON_METHODS if m in methods] + [m for m in methods if m not in DAEMON_METHODS]
     fault_runs = plan_runs(traces, faults, a.quick)
-    total = len(traces) * (1 + sum(m in DAEMON_METHODS for m in methods)) + len(fault_runs) * len(methods)
+    reps = max(1, a.reps)
+    total = reps * len(traces) * (1 + sum(m in DAEMON_METHODS for m in methods)) + len(fault_runs) * len(methods)
     records: list[RunRecord] = []
     refs: dict[str, tuple[RunRecord, Verdict]] = {}
     with progress(total) as bar:
@@ -664,42 +669,52 @@ def main() -> int:
             bar.advance(what + ("" if rec.correct is None else " ok" if rec.correct else " WRONG"))
         try:
             b.prepare(traces)
-            for t in traces:
-                bar.describe(f"reference {t.name}")
-                rec, v = b.run_bare(t, "reference")
-                rec.correct = b.correct(t, v, v)
-                if not rec.correct:
-                    raise SystemExit(f"trace {t.name}: its checks fail even without a fault: {v[0]}")
-                refs[t.name] = (rec, v)
-                step(rec)
-            for m in order:
-                if m in DAEMON_METHODS:
-                    b.serve_method(m)
+            # --reps N: the fault-free runs N times, interleaved (bare, then each
+            # daemon method, again and again), so that the host's drift hits
+            # every method alike; the fault runs come once, in the last round.
+            for rep in range(reps):
                 for t in traces:
-                    ref, v = refs[t.name]
+                    bar.describe(f"reference {t.name}" + (f" (round {rep + 1}/{reps})" if reps > 1 else ""))
+                    rec, v = b.run_bare(t, "reference")
+                    rec.rep = rep
+                    rec.correct = b.correct(t, v, refs[t.name][1] if t.name in refs else v)
+                    if not rec.correct:
+                        raise SystemExit(f"trace {t.name}: its checks fail even without a fault "
+                                         f"(or its state differs between fault-free runs): {v[0]}")
+                    refs.setdefault(t.name, (rec, v))
+                    step(rec)
+                for m in order:
+                    last = rep == reps - 1
+                    if m not in DAEMON_METHODS and not last:
+                        continue
                     if m in DAEMON_METHODS:
-                        bar.describe(f"{m} {t.name} fault-free")
-                        rec, got = b.run_daemon(t, m)
-                        rec.correct = b.correct(t, got, v)
-                        step(rec)
-                    for (ft, f, k) in fault_runs:
-                        if ft is not t:
-                            continue
-                        if k == -1:
-                            k = longest_middle_turn(ref)
-                        if f == "daemon" and k is None and m not in DAEMON_METHODS:
-                            k = b.k_daemon.get(t.name, len(t.turns) // 2)
-                        bar.describe(f"{m} {t.name} {f}@{k if k is not None else 'auto'}")
+                        b.serve_method(m)
+                    for t in traces:
+                        ref, v = refs[t.name]
                         if m in DAEMON_METHODS:
-                            rec, got = b.run_daemon(t, m, f, k, ref, quick=a.quick and f == "daemon")
-                        else:
-                            rec, got = b.run_bare(t, m, f, k, ref)
-                        rec.correct = b.correct(t, got, v)
-                        step(rec)
-                if m in DAEMON_METHODS:
-                    bar.describe(f"{m}: waiting for checkpoint sizes")
-                    b.finish_sizing()
-                    b.stop_daemon()
+                            bar.describe(f"{m} {t.name} fault-free")
+                            rec, got = b.run_daemon(t, m)
+                            rec.rep = rep
+                            rec.correct = b.correct(t, got, v)
+                            step(rec)
+                        for (ft, f, k) in fault_runs if last else []:
+                            if ft is not t:
+                                continue
+                            if k == -1:
+                                k = longest_middle_turn(ref)
+                            if f == "daemon" and k is None and m not in DAEMON_METHODS:
+                                k = b.k_daemon.get(t.name, len(t.turns) // 2)
+                            bar.describe(f"{m} {t.name} {f}@{k if k is not None else 'auto'}")
+                            if m in DAEMON_METHODS:
+                                rec, got = b.run_daemon(t, m, f, k, ref, quick=a.quick and f == "daemon")
+                            else:
+                                rec, got = b.run_bare(t, m, f, k, ref)
+                            rec.correct = b.correct(t, got, v)
+                            step(rec)
+                    if m in DAEMON_METHODS:
+                        bar.describe(f"{m}: waiting for checkpoint sizes")
+                        b.finish_sizing()
+                        b.stop_daemon()
         finally:
             b.close()
     result = summarize(records, methods, faults, traces, a)

@@ -8,7 +8,7 @@ import json
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from recovery import METHODS, RunRecord, pct, record_dict
 
@@ -40,9 +40,56 @@ def _q(xs: list[float]) -> dict[str, float | None]:
     return {"p50": pct(xs, 0.5), "p99": pct(xs, 0.99)}
 
 
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def overhead(clean: list[RunRecord], refs: list[RunRecord]) -> dict[str, Any]:
+    """End-to-end overhead of a method's fault-free runs against the bare
+    reference runs: per trace the median over rounds (--reps), summed over
+    traces. `overhead_reps` pairs each round's runs (one figure per round; their
+    spread is the noise), `overhead_by_trace` splits it per trace, and
+    `command_s`/`stall_s` say where the time went (median per trace, summed):
+    the turns' commands as the agent saw them, and how long they waited for
+    the previous capture."""
+    traces = sorted({r.trace for r in clean})
+
+    def med(rs: list[RunRecord], f: Callable[[RunRecord], float]) -> float:
+        return _median([f(r) for r in rs])
+
+    by_trace, base, mine = {}, 0.0, 0.0
+    cmd = {"bare": 0.0, "method": 0.0}
+    stall = 0.0
+    for t in traces:
+        m_runs = [r for r in clean if r.trace == t]
+        r_runs = [r for r in refs if r.trace == t]
+        b, x = med(r_runs, lambda r: r.seconds), med(m_runs, lambda r: r.seconds)
+        by_trace[t] = round((x - b) / b * 100, 2)
+        base, mine = base + b, mine + x
+        cmd["bare"] += med(r_runs, lambda r: sum(r.durations))
+        cmd["method"] += med(m_runs, lambda r: sum(r.durations))
+        stall += med(m_runs, lambda r: sum(r.stall_ms) / 1000)
+    rounds = sorted({r.rep for r in clean})
+    per_round = []
+    for k in rounds:
+        b = sum(r.seconds for r in refs if r.rep == k and r.trace in traces)
+        x = sum(r.seconds for r in clean if r.rep == k)
+        if b:
+            per_round.append(round((x - b) / b * 100, 2))
+    return {"overhead_pct": round((mine - base) / base * 100, 2),
+            "overhead_by_trace": by_trace,
+            "overhead_reps": per_round,
+            "command_s": {"bare": round(cmd["bare"], 2), "method": round(cmd["method"], 2)},
+            "stall_s": round(stall, 2),
+            "turns_s": {"bare": round(base, 2), "method": round(mine, 2)}}
+
+
 def summarize(records: list[RunRecord], methods: list[str], faults: list[str], traces: list[Any],
               a: argparse.Namespace) -> dict[str, Any]:
-    refs = {r.trace: r for r in records if r.method == "reference"}
+    refs = [r for r in records if r.method == "reference"]
+    reps = max([r.rep for r in records] or [0]) + 1
     out: dict[str, Any] = {"methods": {}}
     for m in methods:
         clean = [r for r in records if r.method == m and r.fault is None]
@@ -57,7 +104,7 @@ def summarize(records: list[RunRecord], methods: list[str], faults: list[str], t
             "runs": len(faulted),
             "correct_pct": round(100 * len(ok) / len(faulted), 1) if faulted else None,
             "correct_by_fault": by_fault,
-            "bytes": sum(r.bytes for r in clean),
+            "bytes": round(sum(r.bytes for r in clean) / reps),   # one round's
             "bytes_vs_full_pct": None,
             "overhead_pct": None,
             "ckpt_ms": _q([x for r in clean for x in r.ckpt_ms]),
@@ -74,8 +121,7 @@ def summarize(records: list[RunRecord], methods: list[str], faults: list[str], t
                                      if sum(r.external_calls for r in faulted) else None),
         }
         if clean:
-            base = sum(refs[r.trace].seconds for r in clean)
-            entry["overhead_pct"] = round((sum(r.seconds for r in clean) - base) / base * 100, 2)
+            entry.update(overhead(clean, refs))
         elif m in ("chat-only", "replay"):
             # They run on bare sandboxes and save nothing but the transcript: no overhead, no bytes.
             entry["overhead_pct"] = 0.0
@@ -85,6 +131,7 @@ def summarize(records: list[RunRecord], methods: list[str], faults: list[str], t
         for e in out["methods"].values():
             e["bytes_vs_full_pct"] = round(100 * e["bytes"] / full["bytes"], 2)
     out.update(traces=[t.name for t in traces], quick=a.quick, faults=faults, time_scale=a.time_scale,
+               reps=reps,
                inspector=a.inspector,
                runs=[record_dict(r) for r in records])
     return out
@@ -114,6 +161,18 @@ def report_md(result: dict[str, Any], argv: list[str]) -> str:
             skip = "–" if r["skip_fraction"] is None else f"{100 * r['skip_fraction']:.0f} %"
             lines.append(f"| {m} | {corr} | {bf}{' | ' if faults else ''}{r['bytes'] / 1e6:.1f} MB{full} | {ovh} | "
                          f"{_fmt_ms(r['ckpt_ms'])} | {_fmt_ms(r['stall_ms'])} | {_fmt_ms(r['rollback_ms'])} | {skip} |")
+        ovh = {m: r for m, r in result["methods"].items() if r.get("overhead_by_trace")}
+        if ovh:
+            lines += ["", f"Overhead of the fault-free runs (median of {result.get('reps', 1)} round(s) per trace; "
+                      "turns and LLM waits, against the bare runtime):", "",
+                      "| method | overhead | per round | per trace | turns s (bare → method) | "
+                      "commands s (bare → method) | stall s |", "|---|---|---|---|---|---|---|"]
+            for m, r in ovh.items():
+                per_trace = ", ".join(f"{t} {v:+.1f} %" for t, v in r["overhead_by_trace"].items())
+                rounds = ", ".join(f"{v:+.1f} %" for v in r["overhead_reps"])
+                lines.append(f"| {m} | {r['overhead_pct']:+.2f} % | {rounds} | {per_trace} | "
+                             f"{r['turns_s']['bare']} → {r['turns_s']['method']} | "
+                             f"{r['command_s']['bare']} → {r['command_s']['method']} | {r['stall_s']} |")
         wrong = [(m, r["wrong"]) for m, r in result["methods"].items() if r["wrong"]]
         if wrong:
             lines += ["", "Wrong recoveries:", ""] + [f"- {m}: {', '.join(w)}" for m, w in wrong]
