@@ -301,8 +301,13 @@ class Bench:
                 outs.append((r["exit_code"], r["stdout"]))
             except CrabdError as e:
                 outs.append((-1, str(e)))
+        return outs, self.digest(t, box)
+
+    @staticmethod
+    def digest(t: Trace, box: Box) -> str:
+        """The digest of the trace's state paths in the sandbox (DIGEST_SH)."""
         r = box.run(["/bin/sh", "-c", DIGEST_SH, "digest", *t.state_paths], env={"CRABD_DIGEST_PY": DIGEST_PY})
-        return outs, r["stdout"].strip()
+        return r["stdout"].strip()
 
     @staticmethod
     def correct(t: Trace, got: Verdict, ref: Verdict) -> bool:
@@ -611,6 +616,9 @@ def main() -> int:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--faults", default=",".join(FAULTS), help="boundary,mid-turn,daemon or none")
     ap.add_argument("--time-scale", type=float, default=0.05, help="multiplier of the traces' LLM waits")
+    ap.add_argument("--chain", action="store_true",
+                    help="every fault point of every trace, chained: one run per trace, fault and crabd method "
+                         "(bench/recovery_chain.py)")
     ap.add_argument("--reps", type=int, default=1,
                     help="rounds of fault-free runs (bare and each daemon method, interleaved); "
                          "the overhead is taken from the per-trace medians")
@@ -656,6 +664,11 @@ def main() -> int:
         return 0
 
     traces = pick_traces(traces, a.quick)
+    if a.chain:
+        result = run_chained(b, traces, methods, faults)
+        result["seconds"] = round(time.monotonic() - t_start, 1)
+        write_out(result, a, sys.argv[1:])
+        return 0 if all(m["end_correct"] == m["runs"] for f in result["chain"].values() for m in f.values()) else 1
     order = [m for m in DAEMON_METHODS if m in methods] + [m for m in methods if m not in DAEMON_METHODS]
     fault_runs = plan_runs(traces, faults, a.quick)
     reps = max(1, a.reps)
@@ -721,6 +734,43 @@ def main() -> int:
     result["seconds"] = round(time.monotonic() - t_start, 1)
     write_out(result, a, sys.argv[1:])
     return 0
+
+
+def run_chained(b: Bench, traces: list[Trace], methods: list[str], faults: list[str]) -> dict[str, Any]:
+    """--chain: per trace a reference with a digest after every turn, then per
+    crabd method and fault one run with the fault at every point."""
+    import recovery_chain as chain
+    from recovery_report import progress
+    dms = [m for m in DAEMON_METHODS if m in methods]
+    if not dms or not faults:
+        raise SystemExit("--chain runs the crabd methods (crabd, crabd-fs, full) with at least one fault")
+    records: list[chain.ChainRecord] = []
+    with progress(len(traces) * (1 + len(dms) * len(faults))) as bar:
+        try:
+            b.prepare(traces)
+            refs = {}
+            for t in traces:
+                bar.describe(f"reference {t.name} (a digest after every turn)")
+                refs[t.name] = chain.reference(b, t)
+                bar.advance(f"reference {t.name}: {len(t.turns)} turns")
+            for m in dms:
+                b.serve_method(m)
+                for t in traces:
+                    for f in faults:
+                        bar.describe(f"{m} {t.name} {f} at every turn")
+                        rec = chain.run_chain(b, t, m, f, *refs[t.name])
+                        records.append(rec)
+                        bad = [p.k for p in rec.points if not p.state_ok]
+                        bar.advance(f"{m} {t.name} {f}: {len(rec.points)} points, "
+                                    f"{len(rec.points) - len(bad)} right" + (f" (wrong at {bad})" if bad else "")
+                                    + ("; end ok" if rec.correct else "; END WRONG")
+                                    + (f"; {rec.error}" if rec.error else ""))
+                b.stop_daemon()
+        finally:
+            b.close()
+    return {"methods": {}, "chain": chain.summarize(records, traces), "traces": [t.name for t in traces],
+            "faults": faults, "time_scale": b.a.time_scale, "inspector": b.a.inspector,
+            "chain_runs": chain.records_dict(records)}
 
 
 def record_dict(rec: RunRecord) -> dict[str, Any]:

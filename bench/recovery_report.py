@@ -180,6 +180,10 @@ def report_md(result: dict[str, Any], argv: list[str]) -> str:
                  for r in result.get("runs", []) if r.get("note")]
         if notes:
             lines += ["", "Notes:", ""] + notes
+    if result.get("chain"):
+        from recovery_chain import report_lines
+        lines += [f"traces: {', '.join(result.get('traces', []))}; LLM waits × {result.get('time_scale')}"]
+        lines += report_lines(result)
     if result.get("scale"):
         lines += ["", f"Scale: `{result.get('scale_trace')}` in N sandboxes at once through one daemon", "",
                   "| N | scheduler | stall p50 / p99 ms | total s | bytes |", "|---|---|---|---|---|"]

@@ -87,3 +87,27 @@ def test_recovery_bench_quick_on_busybox(tmp_path, busybox_image):
     faults = {(r["method"], r["fault"]) for r in res["runs"] if r["fault"]}
     assert {("crabd", f) for f in ("boundary", "mid-turn", "daemon")} <= faults
     assert {"results.json", "report.md", "correct.png", "bytes.png", "latency.png"} <= {x.name for x in out.iterdir()}
+
+
+def test_recovery_bench_chain_hits_every_fault_point(tmp_path, busybox_image):
+    """--chain: one run per fault kind with the fault at every turn of the
+    trace; crabd's state is right after every recovery and at the end."""
+    traces = tmp_path / "traces"
+    write_traces(traces)
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "recovery.py"), "--chain", "--traces", str(traces),
+                        "--methods", "crabd", "--time-scale", "0.05", "--inspector", "proc", "--json"],
+                       capture_output=True, text=True, timeout=400, env={**os.environ})
+    assert p.returncode == 0, p.stderr[-4000:]
+    res = json.loads(p.stdout)
+    chain = res["chain"]["crabd"]
+    assert set(chain) == {"boundary", "mid-turn", "daemon"}
+    n = len(_trace("bb-a", "bb-a")["turns"])
+    for fault, m in chain.items():
+        planned = n if fault == "mid-turn" else n - 1
+        assert m["points"] == m["points_planned"] == planned, (fault, m)
+        assert m["state_ok"] == planned and m["end_correct"] == m["runs"] == 1, (fault, m)
+        assert not m["errors"], m["errors"]
+    # every point is in the per-run records, with the turn the agent went on from
+    runs = {r["fault"]: r for r in res["chain_runs"]}
+    assert [pt["k"] for pt in runs["boundary"]["points"]] == list(range(1, n))
+    assert all(pt["resumed_at"] >= pt["k"] - 1 for r in runs.values() for pt in r["points"])

@@ -63,3 +63,23 @@ def test_one_round_is_the_plain_ratio() -> None:
     recs = [_run("a", "reference", 0, 80), _run("a", "crabd", 0, 100, nbytes=7)]
     c = summarize(recs, ["crabd"], [], [_T("a")], _args())["methods"]["crabd"]
     assert c["overhead_pct"] == 25.0 and c["overhead_reps"] == [25.0] and c["bytes"] == 7
+
+
+def test_chain_summary_counts_points_and_names_the_wrong_ones() -> None:
+    from recovery_chain import ChainPoint, ChainRecord, report_lines
+    from recovery_chain import summarize as chain_summary
+
+    t = argparse.Namespace(name="a", turns=[None] * 4)
+    good = ChainRecord("a", "crabd", "boundary", [ChainPoint(k, k, True, 100.0) for k in (1, 2, 3)], True, 5.0)
+    bad = ChainRecord("a", "crabd-fs", "mid-turn",
+                      [ChainPoint(1, 0, True, 90.0), ChainPoint(2, 1, False, 80.0), ChainPoint(3, 2, True, 70.0)],
+                      False, 4.0)
+    out = chain_summary([good, bad], [t])
+    assert out["crabd"]["boundary"]["points"] == out["crabd"]["boundary"]["points_planned"] == 3
+    assert out["crabd"]["boundary"]["state_ok_pct"] == 100.0 and out["crabd"]["boundary"]["wrong"] == []
+    fs = out["crabd-fs"]["mid-turn"]
+    assert fs["points_planned"] == 4 and fs["points"] == 3 and fs["state_ok"] == 2 and fs["end_correct"] == 0
+    assert fs["wrong"] == ["a@2", "a: end state"]
+    assert fs["rollback_ms"] == {"p50": 80.0, "p99": 90.0}
+    md = "\n".join(report_lines({"chain": out}))
+    assert "| crabd-fs | mid-turn | 3 (4) | 2 (66.7 %) | 0 of 1 |" in md
