@@ -367,15 +367,19 @@ class Demo:
         return out
 
     # -- through crabd --------------------------------------------------------------------------------------
-    def start_daemon(self) -> None:
-        client_probe = DaemonHandle(STATE)
+    @staticmethod
+    def check_no_daemon() -> None:
+        """A daemon left on the demo's state (a demo killed with -9) would own its sandboxes."""
+        probe = DaemonHandle(STATE)
         try:
-            client_probe.client().health()
+            probe.client().health()
         except CrabdError:
-            pass
-        else:
-            raise SystemExit(f"a crabd daemon already serves {STATE} ({client_probe.socket}); fix: stop it "
-                             f"(or set CRABD_DEMO_STATE to another directory)")
+            return
+        raise SystemExit(f"a crabd daemon already serves {STATE} ({probe.socket}); fix: stop it "
+                         f"(or set CRABD_DEMO_STATE to another directory)")
+
+    def start_daemon(self) -> None:
+        self.check_no_daemon()
         t0 = time.monotonic()
         with con.status("starting crabd (loads the eBPF inspector) ..."):
             self.dh = DaemonHandle(STATE, args=["--capture", "auto"])
@@ -413,9 +417,11 @@ class Demo:
                 raise SystemExit(f"crabd did not roll {sid} back within {timeout:.0f} s (daemon log: {self.dh.log})")
             time.sleep(0.01)
 
-    def checkpoint_bytes(self, sid: str, branch: int, timeout: float = 60) -> tuple[int, int, int]:
+    def checkpoint_bytes(self, sid: str, branch: int, last_turn: int, timeout: float = 60) -> tuple[int, int, int]:
         """(bytes, checkpoints, unsized): what crabd wrote for the sandbox's
-        committed checkpoints, once its idle sizing got to them. A rollback
+        committed checkpoints of the task and the trace's turns (not those of
+        the checks after it, as the benchmark counts), once its idle sizing
+        got to them. A rollback
         cancels the sizing still queued for the sandbox (it runs again at a
         daemon restart), so only those of the branch after the rollback are
         waited for; older ones still unsized are counted as such."""
@@ -423,7 +429,7 @@ class Demo:
         c = self.dh.client()
         deadline = time.monotonic() + timeout
         while True:
-            cks = c.checkpoints(sid, all=True)
+            cks = [x for x in c.checkpoints(sid, all=True) if x["turn"] <= last_turn]
             unsized = [x for x in cks if x["state"] == "committed" and x["seq"] > 0 and x["plan"] != "SKIP"
                        and not x["bytes"] and "size" not in (x.get("durations") or {})]
             waiting = [x for x in cks if x["state"] == "pending" or (x in unsized and x["branch"] >= branch)]
@@ -457,7 +463,7 @@ class Demo:
         con.print(f"sandbox [bold]{sid}[/bold]: the task's files and setup written; the agent starts\n",
                   highlight=False)
         con.print(Row.HEAD, style="bold", highlight=False)
-        pos, crashed, branch = 0, False, 0
+        pos, crashed, branch, last_turn = 0, False, 0, 0
         t0 = time.monotonic()
         while pos < len(t.turns):
             if pos == k - 1 and not crashed:
@@ -467,6 +473,7 @@ class Demo:
                                                         self.ref_durations[k - 1])
                 if reply is not None:
                     pos_of[reply["turn"]] = k
+                    last_turn = reply["turn"]
                 Row.show(k, t.turns[k - 1].run, "kill" if reply is None else reply["exit_code"],
                          style="red")
                 con.print(f"\n[red bold]crash[/red bold] in turn {k}: kill -9 of all {killed[0]} processes in "
@@ -497,6 +504,7 @@ class Demo:
                 continue
             r = run(t.turns[pos].run)
             pos_of[r["turn"]] = pos + 1
+            last_turn = r["turn"]
             Row.show(pos + 1, t.turns[pos].run, r["exit_code"], r["plan"], r["checkpoint"], r["duration"] * 1000,
                      style="" if r["exit_code"] == 0 else "yellow")
             pos += 1
@@ -505,7 +513,7 @@ class Demo:
         out.procs = processes(self.rt, sid)
         verdict(t, run, out, ref)
         with con.status("waiting for crabd to size its checkpoints (idle work) ..."):
-            out.bytes, n, unsized = self.checkpoint_bytes(sid, branch if crashed else 0)
+            out.bytes, n, unsized = self.checkpoint_bytes(sid, branch if crashed else 0, last_turn)
         self.ck_note = (f"crabd: {out.bytes / 2**20:.1f} MiB in {n} checkpoints (file-system snapshots and CRIU "
                         f"images)" + (f"; {unsized} taken before the crash not sized: the rollback cancelled "
                                       f"their queued sizing" if unsized else ""))
@@ -596,6 +604,7 @@ def main() -> int:
     d = Demo(t, scale)
     result: dict[str, Any] = {}
     try:
+        d.check_no_daemon()
         d.ensure_image()
         inputs.fetch(t.inputs)
         con.rule("1/3 fault-free reference (bare runtime, no crabd)", style="dim")
