@@ -631,6 +631,8 @@ def main() -> int:
     a = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("the recovery benchmark needs root (it runs crabd and runc sandboxes)")
+    # kill/SIGTERM: unwind like Ctrl-C, so that sandboxes, daemons and mounts go
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     unknown = set(methods) - set(METHODS)
     if unknown:
