@@ -265,6 +265,7 @@ class Demo:
         self.bare: list[str] = []          # bare runtime sandboxes to destroy
         self.k = 0
         self.ref_durations: list[float] = []
+        self.rolled_ts = 0.0
 
     def wait(self, i: int) -> None:
         """The agent's LLM wait after turn i (0-based), scaled."""
@@ -400,16 +401,21 @@ class Demo:
                 return seq
             seq = evs[-1]["seq"]
 
-    def await_rollback(self, sid: str, since: int, timeout: float = 180) -> tuple[dict[str, Any], int]:
-        """The checkpoint crabd rolled the sandbox back to (its row), and the sandbox's new branch."""
+    def await_rollback(self, sid: str, since: int, timeout: float = 180) -> tuple[dict[str, Any], int, float | None]:
+        """The checkpoint crabd rolled the sandbox back to (its row), the
+        sandbox's new branch, and the wall time crabd noticed the death at."""
         assert self.dh is not None
         c = self.dh.client()
+        died: float | None = None
         deadline = time.monotonic() + timeout
         while True:
             for e in c.events(since=since, sandbox=sid):
                 since = e["seq"]
+                if e["kind"] == "sandbox.died" and died is None:
+                    died = float(e["ts"])
                 if e["kind"] == "sandbox.rolled_back":
-                    return c.checkpoint(e["data"]["checkpoint"]), int(e["data"]["branch"])
+                    self.rolled_ts = float(e["ts"])
+                    return c.checkpoint(e["data"]["checkpoint"]), int(e["data"]["branch"]), died
                 if e["kind"] == "sandbox.recovery_failed":
                     raise SystemExit(f"crabd could not recover {sid}: {e['data'].get('error')} "
                                      f"(daemon log: {self.dh.log})")
@@ -479,8 +485,12 @@ class Demo:
                 con.print(f"\n[red bold]crash[/red bold] in turn {k}: kill -9 of all {killed[0]} processes in "
                           f"{sid}, these among them: {'; '.join(short(x, 30) for x in killed[1])}" + ("" if mid else " [dim](the command had just ended)[/dim]"),
                           highlight=False)
-                ck, branch = self.await_rollback(sid, since)
+                kill_wall = time.time() - (time.monotonic() - tk)
+                ck, branch, died = self.await_rollback(sid, since)
                 out.recovery_ms = (time.monotonic() - tk) * 1000
+                phases = ("" if died is None else
+                          f": noticed the death after {max(0.0, died - kill_wall) * 1000:.0f} ms, rolled back "
+                          f"{max(0.0, self.rolled_ts - died) * 1000:.0f} ms later")
                 back = pos_of.get(ck["turn"], k - 1)
                 procs = processes(self.rt, sid)
                 n_procs = f"{len(procs)} process{'es' if len(procs) != 1 else ''}"
@@ -493,7 +503,7 @@ class Demo:
                 else:
                     how = f"{ck['plan']}: {how}"
                 con.print(f"[green bold]crabd rolled it back on its own[/green bold] in {out.recovery_ms:.0f} ms "
-                          f"(kill to running again) to checkpoint {ck['id']}, taken after turn {back} ({how})",
+                          f"from the kill{phases}; to checkpoint {ck['id']}, taken after turn {back} ({how})",
                           highlight=False)
                 if procs:
                     con.print(f"  running again with their memory: {'; '.join(short(p, 40) for p in procs)}",
@@ -631,7 +641,9 @@ def main() -> int:
 
         con.print()
         con.print(table([got, chat], ref))
-        con.print(f"{ck_note}; chat-only keeps only the transcript", highlight=False)
+        con.print(f"{ck_note}; chat-only keeps only the transcript. Recovery time: from the kill until the "
+                  f"sandbox runs again (crabd: its death noticed, the rollback; chat-only: a fresh sandbox and "
+                  f"the task's files, its agent told at once)", highlight=False)
         chat_lost = lost(t, chat, ref)
         crabd_lost = lost(t, got, ref)
         if chat_lost:
