@@ -97,9 +97,15 @@ out = {}
 for top in sys.argv[1:]:
     for d, dirs, files in os.walk(top):
         dirs[:] = sorted(x for x in dirs if x not in ('.git', '__pycache__'))
-        for n in files:
+        for n in files + [x for x in dirs if os.path.islink(os.path.join(d, x))]:
             p = os.path.join(d, n)
-            out[p] = hashlib.sha256(os.readlink(p).encode() if os.path.islink(p) else open(p, 'rb').read()).hexdigest()[:12] if os.path.isfile(p) or os.path.islink(p) else 'other'
+            if os.path.islink(p):
+                data = b'link:' + os.readlink(p).encode()
+            elif os.path.isfile(p):
+                data = open(p, 'rb').read()
+            else:
+                data = b'other'
+            out[p] = hashlib.sha256(data).hexdigest()[:12] + oct(os.lstat(p).st_mode)
 print(json.dumps(out))
 """
 
@@ -266,6 +272,7 @@ class Demo:
         self.k = 0
         self.ref_durations: list[float] = []
         self.rolled_ts = 0.0
+        self.ck_note = ""
 
     def wait(self, i: int) -> None:
         """The agent's LLM wait after turn i (0-based), scaled."""
@@ -287,9 +294,9 @@ class Demo:
                 con.print(f"imported image {name} from {src} in {time.monotonic() - t0:.0f} s")
                 return
         if name not in inputs.IMAGES:
-            raise SystemExit(f"image {name!r} is in none of {', '.join(map(str, inputs.IMAGE_SOURCES))}, and only "
-                             f"{', '.join(inputs.IMAGES)} can be built here; fix: crabd image import PATH --name {name} "
-                             f"(with --state-dir {STATE})")
+            raise SystemExit(f"image {name!r} is in none of {', '.join(map(str, inputs.IMAGE_SOURCES))}, and "
+                             f"only {', '.join(inputs.IMAGES)} can be built here; fix: crabd image import PATH "
+                             f"--name {name} --state-dir {STATE}")
         t0 = time.monotonic()
         self.rt.images.gc()
         with con.status(f"building image {name} with debootstrap (once per host, 1-3 min) ...") as st:
@@ -483,8 +490,8 @@ class Demo:
                 Row.show(k, t.turns[k - 1].run, "kill" if reply is None else reply["exit_code"],
                          style="red")
                 con.print(f"\n[red bold]crash[/red bold] in turn {k}: kill -9 of all {killed[0]} processes in "
-                          f"{sid}, these among them: {'; '.join(short(x, 30) for x in killed[1])}" + ("" if mid else " [dim](the command had just ended)[/dim]"),
-                          highlight=False)
+                          f"{sid}, these among them: {'; '.join(short(x, 30) for x in killed[1])}"
+                          + ("" if mid else " [dim](the command had just ended)[/dim]"), highlight=False)
                 kill_wall = time.time() - (time.monotonic() - tk)
                 ck, branch, died = self.await_rollback(sid, since)
                 out.recovery_ms = (time.monotonic() - tk) * 1000
@@ -669,7 +676,8 @@ def main() -> int:
         ok = False
     finally:
         d.cleanup()
-        con.print(f"[dim]cleaned up: sandboxes deleted, daemon stopped ({time.monotonic() - t_start:.0f} s in all)[/dim]")
+        con.print(f"[dim]cleaned up: sandboxes deleted, daemon stopped "
+                  f"({time.monotonic() - t_start:.0f} s in all)[/dim]")
     if a.json and result:
         result["seconds"] = round(time.monotonic() - t_start, 1)
         print(json.dumps(result), flush=True)
