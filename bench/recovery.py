@@ -107,6 +107,16 @@ def pct(xs: list[float], q: float) -> float | None:
     return round(xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))], 3)
 
 
+def last_seq(c: Any, sid: str) -> int:
+    """The sequence number of the sandbox's newest event (0: none yet); `c` a crabd Client."""
+    seq = 0
+    while True:
+        evs = c.events(since=seq, sandbox=sid)
+        if not evs:
+            return seq
+        seq = evs[-1]["seq"]
+
+
 @dataclass
 class RunRecord:
     """One trace run: fault-free (fault None) or with one fault at turn k."""
@@ -388,12 +398,7 @@ class Bench:
     # -- through crabd ----------------------------------------------------------------------------------
     def last_seq(self, sid: str) -> int:
         assert self.dh is not None
-        c, seq = self.dh.client(), 0
-        while True:
-            evs = c.events(since=seq, sandbox=sid)
-            if not evs:
-                return seq
-            seq = evs[-1]["seq"]
+        return last_seq(self.dh.client(), sid)
 
     def await_rollback(self, t: Trace, sid: str, since: int, timeout: float = 180) -> int | None:
         """The turn of the checkpoint crabd rolled the sandbox back to (None: no rollback yet)."""

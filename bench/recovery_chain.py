@@ -90,7 +90,7 @@ def run_chain(b: Bench, t: Trace, method: str, fault: str, digests: list[str], r
                 try:
                     r = box.run(t.turns[pos].run)
                     pos_of[r["turn"]] = pos + 1
-                    replied, note = True, "the kill came after the command ended"
+                    replied, note = True, f"the command ended (exit {r['exit_code']}) before the kill"
                 except CrabdError:
                     pass
                 timer.join()
@@ -134,7 +134,16 @@ def _point(b: Bench, t: Trace, box: Box, pos_of: dict[int, int], k: int, pos: in
            digests: list[str], note: str) -> ChainPoint:
     r = box.run(["/bin/sh", "-c", DIGEST_SH, "digest", *t.state_paths], env={"CRABD_DIGEST_PY": DIGEST_PY})
     pos_of[r["turn"]] = pos   # the digest is an exec, so a turn too: a rollback to it goes on from here
-    return ChainPoint(k, pos, r["stdout"].strip() == digests[pos], round(ms, 1), note)
+    ok = r["stdout"].strip() == digests[pos]
+    if not ok:   # what crabd restored, for the report: the newest checkpoints and the head
+        assert b.dh is not None
+        c = b.dh.client()
+        head = c.sandbox(box.sid)["head"]
+        cks = sorted(c.checkpoints(box.sid, all=True), key=lambda x: x["seq"])[-6:]
+        note += "; head " + head + "; newest: " + ", ".join(
+            f"{x['id'].rsplit('-', 1)[-1]}(turn {x['turn']}->{pos_of.get(x['turn'], '?')} {x['plan']} {x['state']}"
+            + (" died" if any("died" in y for y in x.get("reasons") or []) else "") + ")" for x in cks)
+    return ChainPoint(k, pos, ok, round(ms, 1), note)
 
 
 def points_planned(t: Trace, fault: str) -> int:

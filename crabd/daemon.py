@@ -130,6 +130,9 @@ class Daemon:
         self._image_locks: dict[str, threading.Lock] = {}
         self._image_trees: dict[str, Any] = {}  # capture mode full: image snapshot -> its tree
         self._maintenance_queued = False
+        # Checkpoints whose sizing is queued: id -> (sandbox, extra bytes). A
+        # rollback cancels the sandbox's queued work; these are queued again.
+        self._sizing_queued: dict[str, tuple[str, int]] = {}
         self._guard = threading.Lock()
         self._event_waiters: set[asyncio.Event] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -439,6 +442,9 @@ class Daemon:
         # the sandbox as gone and prepares nothing.
         self.turns.pop(row.id, None)
         self.scheduler.cancel(row.id)
+        for cid, (sid, _) in list(self._sizing_queued.items()):
+            if sid == row.id:
+                self._sizing_queued.pop(cid, None)
         self._discard_standby(row.id)
         from .runtime.process import sweep_standby_cgroups
         sweep_standby_cgroups(self.runtime, row.id)
@@ -857,8 +863,10 @@ class Daemon:
         """Queue the byte count of committed checkpoint `cid` as idle work (event loop)."""
         from .scheduler import JobCancelled, JobKind
         job = self.scheduler.policy.background_job(JobKind.SIZING, 0, time.monotonic(), sandbox_id=sid)
+        self._sizing_queued[cid] = (sid, extra)
 
         async def run() -> None:
+            self._sizing_queued.pop(cid, None)
             await asyncio.to_thread(self._size_checkpoint, cid, extra)
 
         def done(f: asyncio.Future[Any]) -> None:
@@ -1146,6 +1154,12 @@ class Daemon:
             except Exception:
                 self.metrics.rollbacks.labels(result="failed").inc()
                 raise
+            finally:
+                # The cancel above dropped the sandbox's queued sizing too: the
+                # checkpoints still get their bytes counted.
+                for cid, (sid, extra) in list(self._sizing_queued.items()):
+                    if sid == row.id:
+                        self._schedule_sizing(sid, cid, extra)
             t.last_end = None
             sb = await asyncio.to_thread(self.runtime.get, row.id)
             t.init_pid = sb.pid

@@ -63,7 +63,7 @@ from crabd.testing import DaemonHandle  # noqa: E402
 from crabd.traces import STATE_DIGEST, Trace, load_trace  # noqa: E402
 
 import inputs  # noqa: E402  (bench/inputs.py: trace images, PyPI inputs, the task's prelude)
-from recovery import DIGEST_SH, Bench  # noqa: E402  (the benchmark's digest and correctness rule)
+from recovery import DIGEST_SH, Bench, last_seq  # noqa: E402  (the benchmark's digest and correctness rule)
 
 STATE = Path(os.environ.get("CRABD_DEMO_STATE", "/var/lib/crabd-demo"))
 TRACE = Path(os.environ.get("CRABD_DEMO_TRACE", str(ROOT / "bench" / "traces" / "dev-server.json")))
@@ -399,14 +399,6 @@ class Demo:
         con.print(f"crabd is up in {time.monotonic() - t0:.1f} s: file-system snapshots on [bold]{h['fs_driver']}"
                   f"[/bold], turn inspector [bold]{h['inspector']}[/bold], capture auto", highlight=False)
 
-    def last_seq(self, sid: str) -> int:
-        assert self.dh is not None
-        c, seq = self.dh.client(), 0
-        while True:
-            evs = c.events(since=seq, sandbox=sid)
-            if not evs:
-                return seq
-            seq = evs[-1]["seq"]
 
     def await_rollback(self, sid: str, since: int, timeout: float = 180) -> tuple[dict[str, Any], int, float | None]:
         """The checkpoint crabd rolled the sandbox back to (its row), the
@@ -481,7 +473,7 @@ class Demo:
         while pos < len(t.turns):
             if pos == k - 1 and not crashed:
                 crashed = True
-                since = self.last_seq(sid)
+                since = last_seq(self.dh.client(), sid)
                 reply, killed, mid, tk = crash_mid_turn(self.rt, sid, lambda: run(t.turns[k - 1].run),
                                                         self.ref_durations[k - 1])
                 if reply is not None:

@@ -201,6 +201,31 @@ def test_an_idle_background_process_is_not_dumped_every_turn(crabd):
         c.delete_sandbox(sid)
 
 
+def test_checkpoints_kept_by_a_rollback_still_get_their_bytes(crabd):
+    """Sizing is idle work queued per sandbox; a rollback cancels the
+    sandbox's queued work, and the checkpoints it keeps are queued again."""
+    c = crabd.client()
+    sid = c.create_sandbox("debian-py")["id"]
+    try:
+        # back-to-back file turns: each sizing walks a Debian tree, so most wait in the queue
+        for i in range(8):
+            c.exec(sid, f"mkdir -p /work && head -c {100_000 + i} /dev/urandom > /work/f{i}")
+        cks = c.checkpoints(sid)
+        queued = [k["id"] for k in cks if k["state"] == "committed" and k["seq"] > 0 and "size" not in k["durations"]]
+        assert queued, "precondition: some sizing still queued at the rollback (it all ran first)"
+        c.rollback(sid, cks[-2]["id"])
+        kept = {k["id"] for k in cks[:-1]}
+
+        def sized() -> bool:
+            now = {k["id"]: k for k in c.checkpoints(sid, all=True)}
+            return all("size" in now[x]["durations"] for x in kept if now[x]["seq"] > 0)
+        wait_until(sized, f"sizes of the kept checkpoints {sorted(kept)}", 240, interval=0.2)
+        now = {k["id"]: k for k in c.checkpoints(sid, all=True)}
+        assert all(now[x]["bytes"] > 100_000 for x in kept if now[x]["seq"] > 0), [now[x] for x in kept]
+    finally:
+        c.delete_sandbox(sid)
+
+
 def test_fork_four_sandboxes_diverge_independently(crabd):
     c = crabd.client()
     src = c.create_sandbox("busybox")["id"]
