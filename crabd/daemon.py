@@ -43,7 +43,7 @@ from deltafs.snapshotter import chaos_point  # CRABD_CHAOS: bench/chaos.py's kil
 
 from . import config
 from .errors import CrabdError, FailedPrecondition, InvalidArgument, NotFound
-from .runtime import Freezer, Limits, Runtime, pid_alive, reap
+from .runtime import Freezer, Limits, Runtime, pid_alive, reap, reap_runc_orphans
 from .metrics import PHASES
 from .store import SCHEMA_VERSION, CheckpointRow, SandboxRow, Store
 
@@ -1570,6 +1570,12 @@ class Daemon:
         roll them back to their last committed checkpoint."""
         while True:
             await asyncio.sleep(interval)
+            try:
+                reaped = reap_runc_orphans()
+                if reaped:
+                    log.info("reaped %d orphaned runc stage(s): %s", len(reaped), reaped)
+            except OSError as e:
+                log.warning("reaping orphaned runc stages: %s", e)
             for sid, t in list(self.turns.items()):
                 if t.recovering or t.init_pid is None or t.lock.locked():
                     continue

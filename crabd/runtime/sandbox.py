@@ -579,6 +579,40 @@ def reap(pid: int) -> None:
         pass
 
 
+def reap_runc_orphans() -> list[int]:
+    """Reap zombie children of this process that are stages of `runc init`
+    (`runc:[1:CHILD]`, `runc:[2:INIT]`): runc's own children, never started
+    by crabd, adopted by crabd (a child subreaper) when a `runc exec` dies
+    half-way, e.g. when every process of its sandbox is killed while the exec
+    is joining it. One left unreaped in a sandbox's pid namespace keeps the
+    sandbox's init from ever finishing its exit (it waits in
+    zap_pid_ns_processes), so its death would never be noticed. Only these
+    names: crabd's own children are reaped by whoever waits for them."""
+    reaped: list[int] = []
+    kids: set[int] = set()
+    try:  # every thread's children (an orphan is adopted by any thread of the reaper): cheap, no /proc scan
+        for task in os.scandir("/proc/self/task"):
+            with open(f"/proc/self/task/{task.name}/children") as f:
+                kids.update(int(x) for x in f.read().split())
+    except OSError:
+        kids = {k.pid for k in psutil.Process().children()}
+    for pid in kids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        comm, state = stat[stat.find("(") + 1:stat.rfind(")")], stat[stat.rfind(")") + 2:][:1]
+        if state != "Z" or not comm.startswith("runc:["):
+            continue
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                reaped.append(pid)
+        except ChildProcessError:
+            continue
+    return reaped
+
+
 def _pid_alive(pidfile: Path) -> bool:
     """Is the process named by `pidfile` alive?"""
     pid = _read_pid(pidfile)

@@ -1,0 +1,51 @@
+"""crabd (a child subreaper) reaps the `runc init` stages it adopts when a
+`runc exec` dies half-way, and nothing else of its children."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent(r"""
+    import ctypes, os, sys, time
+    from crabd.runtime import reap_runc_orphans
+    from crabd.runtime.sandbox import _become_subreaper
+    _become_subreaper()
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def orphan(name):
+        # a child forks a grandchild that names itself `name` and exits; the
+        # child exits first, so the grandchild is adopted by this process
+        mid = os.fork()
+        if mid == 0:
+            if os.fork() == 0:
+                libc.prctl(15, name.encode(), 0, 0, 0)   # PR_SET_NAME
+                time.sleep(0.3)
+                os._exit(0)
+            os._exit(0)
+        os.waitpid(mid, 0)
+
+    orphan("runc:[2:INIT]")
+    orphan("runc:[1:CHILD]")
+    orphan("other")
+    time.sleep(1.5)          # every one has exited: zombies now
+    reaped = reap_runc_orphans()
+    def zombies():
+        out = []
+        for t in os.listdir("/proc/self/task"):
+            for p in open(f"/proc/self/task/{t}/children").read().split():
+                st = open(f"/proc/{p}/stat").read()
+                out.append(st[st.find("(") + 1:st.rfind(")")])
+        return sorted(out)
+    print(len(reaped), ",".join(zombies()))
+""")
+
+
+def test_only_adopted_runc_stages_are_reaped() -> None:
+    p = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    n, left = p.stdout.split()
+    # the two adopted runc stages are reaped; another zombie child is left to its owner
+    assert n == "2", p.stdout
+    assert left == "other", p.stdout
