@@ -459,6 +459,7 @@ class Runtime:
                     break
                 if pid:
                     reap(pid)
+                reap_runc_orphans()  # one in its pid namespace keeps the init from exiting
                 time.sleep(0.01)
         self._runc("delete", "--force", sb.id, check=False, context=f"runc delete of {sb.id}")
         if self._status(sb.id)[0] != "absent":
