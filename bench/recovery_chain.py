@@ -84,6 +84,10 @@ def run_chain(b: Bench, t: Trace, method: str, fault: str, digests: list[str], r
             if fault == "mid-turn" and pos + 1 == next_k:
                 since = b.last_seq(box.sid)
                 timer = b.mid_turn_timer(t, next_k, ref, box.sid)
+                killed_at: list[float] = []
+                kill = timer.function
+                timer.function = lambda *a: (killed_at.append(time.time()), kill(*a))  # type: ignore[assignment]
+                sent = time.time()
                 timer.start()
                 tk = time.monotonic()
                 replied, note = False, ""
@@ -91,16 +95,19 @@ def run_chain(b: Bench, t: Trace, method: str, fault: str, digests: list[str], r
                     r = box.run(t.turns[pos].run)
                     pos_of[r["turn"]] = pos + 1
                     replied, note = True, f"the command ended (exit {r['exit_code']}) before the kill"
+                    note += f" (reply {time.time() - sent:.3f} s after the request"
                 except CrabdError:
                     pass
                 timer.join()
+                if replied:
+                    note += f", kill at {killed_at[0] - sent:.3f} s)" if killed_at else ")"
                 turn = b.await_rollback(t, box.sid, since)
                 ms = (time.monotonic() - tk) * 1000
                 done = pos
                 pos = pos_of.get(turn, pos) if turn is not None else pos
                 if replied and pos == done + 1:
                     b.external(t, done, box, ledger=True)   # the agent saw the reply: it goes on with it
-                out.points.append(_point(b, t, box, pos_of, next_k, pos, ms, digests, note))
+                out.points.append(_point(b, t, box, pos_of, next_k, pos, ms, digests, note, since))
                 next_k += 1
                 continue
             since_pre = b.last_seq(box.sid) if fault == "daemon" else 0
@@ -113,7 +120,7 @@ def run_chain(b: Bench, t: Trace, method: str, fault: str, digests: list[str], r
                 one = RunRecord(t.name, method, fault, pos)
                 pos = b.inject(t, box, fault, r, pos_of, one, since_pre)
                 out.points.append(_point(b, t, box, pos_of, next_k, pos, one.rollback_ms or 0.0, digests,
-                                         one.note if fault == "daemon" else ""))
+                                         one.note if fault == "daemon" else "", since_pre))
                 next_k += 1
             b.wait(t, done)
         out.seconds = time.monotonic() - t0
@@ -131,7 +138,7 @@ def run_chain(b: Bench, t: Trace, method: str, fault: str, digests: list[str], r
 
 
 def _point(b: Bench, t: Trace, box: Box, pos_of: dict[int, int], k: int, pos: int, ms: float,
-           digests: list[str], note: str) -> ChainPoint:
+           digests: list[str], note: str, since: int) -> ChainPoint:
     r = box.run(["/bin/sh", "-c", DIGEST_SH, "digest", *t.state_paths], env={"CRABD_DIGEST_PY": DIGEST_PY})
     pos_of[r["turn"]] = pos   # the digest is an exec, so a turn too: a rollback to it goes on from here
     ok = r["stdout"].strip() == digests[pos]
@@ -140,9 +147,18 @@ def _point(b: Bench, t: Trace, box: Box, pos_of: dict[int, int], k: int, pos: in
         c = b.dh.client()
         head = c.sandbox(box.sid)["head"]
         cks = sorted(c.checkpoints(box.sid, all=True), key=lambda x: x["seq"])[-6:]
+        evs = [f"{e['seq']}:{e['kind']}:{(e.get('data') or {}).get('checkpoint', '')}@{e['ts']:.3f}"
+               for e in c.events(since=since, sandbox=box.sid)]
+        note += f"; events since the fault: {evs}"
+        try:
+            import shutil
+            shutil.copy(b.state / "daemon.log", f"/tmp/crabd-chain-mismatch-{t.name}-{k}.log")
+        except OSError:
+            pass
         note += "; head " + head + "; newest: " + ", ".join(
             f"{x['id'].rsplit('-', 1)[-1]}(turn {x['turn']}->{pos_of.get(x['turn'], '?')} {x['plan']} {x['state']}"
-            + (" died" if any("died" in y for y in x.get("reasons") or []) else "") + ")" for x in cks)
+            + (" died" if any("died" in y for y in x.get("reasons") or []) else "")
+            + f" created {x.get('created_at', 0):.3f} {x.get('durations')})" for x in cks)
     return ChainPoint(k, pos, ok, round(ms, 1), note)
 
 

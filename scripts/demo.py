@@ -422,14 +422,12 @@ class Demo:
                 raise SystemExit(f"crabd did not roll {sid} back within {timeout:.0f} s (daemon log: {self.dh.log})")
             time.sleep(0.01)
 
-    def checkpoint_bytes(self, sid: str, branch: int, last_turn: int, timeout: float = 60) -> tuple[int, int, int]:
+    def checkpoint_bytes(self, sid: str, last_turn: int, timeout: float = 60) -> tuple[int, int, int]:
         """(bytes, checkpoints, unsized): what crabd wrote for the sandbox's
         committed checkpoints of the task and the trace's turns (not those of
         the checks after it, as the benchmark counts), once its idle sizing
-        got to them. A rollback
-        cancels the sizing still queued for the sandbox (it runs again at a
-        daemon restart), so only those of the branch after the rollback are
-        waited for; older ones still unsized are counted as such."""
+        got to them (a rollback queues again the sizing it cancelled); after
+        `timeout`, those still unsized are counted as such."""
         assert self.dh is not None
         c = self.dh.client()
         deadline = time.monotonic() + timeout
@@ -437,7 +435,7 @@ class Demo:
             cks = [x for x in c.checkpoints(sid, all=True) if x["turn"] <= last_turn]
             unsized = [x for x in cks if x["state"] == "committed" and x["seq"] > 0 and x["plan"] != "SKIP"
                        and not x["bytes"] and "size" not in (x.get("durations") or {})]
-            waiting = [x for x in cks if x["state"] == "pending" or (x in unsized and x["branch"] >= branch)]
+            waiting = [x for x in cks if x["state"] == "pending"] + unsized
             if not waiting or time.monotonic() > deadline:
                 done = [x for x in cks if x["state"] == "committed"]
                 return sum(x["bytes"] or 0 for x in done), len(done), len(unsized)
@@ -522,10 +520,9 @@ class Demo:
         out.procs = processes(self.rt, sid)
         verdict(t, run, out, ref)
         with con.status("waiting for crabd to size its checkpoints (idle work) ..."):
-            out.bytes, n, unsized = self.checkpoint_bytes(sid, branch if crashed else 0, last_turn)
+            out.bytes, n, unsized = self.checkpoint_bytes(sid, last_turn)
         self.ck_note = (f"crabd: {out.bytes / 2**20:.1f} MiB in {n} checkpoints (file-system snapshots and CRIU "
-                        f"images)" + (f"; {unsized} taken before the crash not sized: the rollback cancelled "
-                                      f"their queued sizing" if unsized else ""))
+                        f"images)" + (f"; {unsized} not sized within 60 s (not counted)" if unsized else ""))
         c.delete_sandbox(sid)
         return out
 
