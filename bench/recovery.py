@@ -416,6 +416,15 @@ class Bench:
                 raise RuntimeError(f"{t.name}: crabd did not roll {sid} back within {timeout:.0f} s")
             time.sleep(0.01)
 
+    def head_turn(self, sid: str) -> int:
+        """The turn of the sandbox's head checkpoint. After an automatic
+        recovery that is the checkpoint restored, unless an exec the agent had
+        already sent ran after the recovery (the kill came before its command
+        started): then its own checkpoint, whose effects are in the sandbox."""
+        assert self.dh is not None
+        c = self.dh.client()
+        return int(c.checkpoint(c.sandbox(sid)["head"])["turn"])
+
     def wait_durable(self, sid: str, cid: str | None = None, timeout: float = 180,
                      sized: bool = False) -> list[dict[str, Any]]:
         """Wait until checkpoint `cid` (None: every one) is no longer pending;
@@ -470,7 +479,7 @@ class Bench:
                     rec.rollback_ms = (time.monotonic() - tk) * 1000
                     # A turn the agent never saw end: the interrupted turn's own
                     # checkpoint; the agent retries that turn on top of it.
-                    pos = pos_of.get(turn, pos) if turn is not None else pos
+                    pos = pos_of.get(self.head_turn(box.sid), pos_of.get(turn, pos))
                     continue
                 if fault == "daemon" and rec.rollback_ms is None:
                     # taken before the turn: after its reply, the kill must not wait on an API call

@@ -94,7 +94,7 @@ def run_chain(b: Bench, t: Trace, method: str, fault: str, digests: list[str], r
                 try:
                     r = box.run(t.turns[pos].run)
                     pos_of[r["turn"]] = pos + 1
-                    replied, note = True, f"the command ended (exit {r['exit_code']}) before the kill"
+                    replied, note = True, f"the command replied (exit {r['exit_code']})"
                     note += f" (reply {time.time() - sent:.3f} s after the request"
                 except CrabdError:
                     pass
@@ -104,7 +104,7 @@ def run_chain(b: Bench, t: Trace, method: str, fault: str, digests: list[str], r
                 turn = b.await_rollback(t, box.sid, since)
                 ms = (time.monotonic() - tk) * 1000
                 done = pos
-                pos = pos_of.get(turn, pos) if turn is not None else pos
+                pos = pos_of.get(b.head_turn(box.sid), pos_of.get(turn, pos))
                 if replied and pos == done + 1:
                     b.external(t, done, box, ledger=True)   # the agent saw the reply: it goes on with it
                 out.points.append(_point(b, t, box, pos_of, next_k, pos, ms, digests, note, since))

@@ -685,7 +685,7 @@ class Daemon:
             self.metrics.exec_seconds.observe(res.duration)
             return {**res.to_dict(), "turn": turn, "checkpoint": ck.id, "plan": ck.plan,
                     "reasons": ck.reasons, "stall_ms": round(stall * 1000, 3),
-                    "external": bool(effects.external)}
+                    "external": bool(effects.external), "branch": row.branch}
 
     async def end_turn(self, ref: str, owner: str | None = None) -> dict[str, Any]:
         """An explicit turn boundary for agents that run commands some other way."""

@@ -119,7 +119,7 @@ def test_agent_session_crash_and_automatic_recovery(crabd, tmp_path):
     for i, (cmd, expect) in enumerate(turns, 2):
         r = c.exec(sid, cmd, timeout=120)
         assert r["exit_code"] == 0, (cmd, r["stderr"])
-        assert r["turn"] == i
+        assert r["turn"] == i and r["branch"] == 0
         if expect:
             assert r["plan"] == expect, (cmd, r["plan"], r["reasons"])
     cks = wait_captured(c, sid)
@@ -151,6 +151,7 @@ def test_agent_session_crash_and_automatic_recovery(crabd, tmp_path):
     assert tree_digest(c, sid, "/work") == before
     r = c.exec(sid, "python3 -c 'import crabd_demo_pkg; print(crabd_demo_pkg.VALUE)'; cd /work && git log --oneline")
     assert r["stdout"].startswith("42\n") and "one" in r["stdout"]
+    assert r["branch"] == 1  # the command ran on the recovered state
     # The server came back with its memory: the counter goes on from 1.
     got = c.exec(sid, GET)
     evs = [(e["kind"], e["data"]) for e in c.events(since=events_before, sandbox=sid)]
