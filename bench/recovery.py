@@ -210,6 +210,8 @@ class Bench:
         self.k_daemon: dict[str, int] = {}
         self.unsized: list[tuple[RunRecord, Box, int]] = []   # fault-free runs whose bytes are still counted
         self.outside = Outside()
+        self._client: Any = None
+        self._client_key: tuple[int, int] | None = None
         self.capture_flag = "--capture" in subprocess.run([CRABD, "serve", "--help"], capture_output=True,
                                                           text=True, timeout=60).stdout
 
@@ -221,6 +223,17 @@ class Bench:
             if not self.rt.images.exists(image):
                 self.rt.images.import_path(str(inputs.image_rootfs(image)), image)
         inputs.fetch(sorted({n for t in traces for n in t.inputs}))
+
+    def client(self) -> Any:
+        """One crabd client per daemon process, as an agent keeps one (a new
+        connection per call would be the bench's cost, not crabd's)."""
+        assert self.dh is not None and self.dh.proc is not None
+        key = (id(self.dh), self.dh.proc.pid)
+        if self._client_key != key:
+            if self._client is not None:
+                self._client.close()
+            self._client, self._client_key = self.dh.client(), key
+        return self._client
 
     def serve(self, args: list[str]) -> None:
         self.stop_daemon()
@@ -241,7 +254,7 @@ class Bench:
     def stop_daemon(self) -> None:
         if self.dh is not None:
             try:
-                c = self.dh.client()
+                c = self.client()
                 for sb in c.sandboxes():
                     c.delete_sandbox(sb["id"])
             except Exception:
@@ -262,15 +275,15 @@ class Bench:
     # -- sandboxes ----------------------------------------------------------------------------------
     def daemon_box(self, image: str) -> Box:
         assert self.dh is not None
-        sid = self.dh.client().create_sandbox(image)["id"]
+        sid = self.client().create_sandbox(image)["id"]
 
         def run(cmd: str | list[str], env: dict[str, str] | None = None, stdin: str | None = None) -> dict[str, Any]:
             assert self.dh is not None
-            return self.dh.client().exec(sid, cmd, timeout=600, env=env, stdin=stdin)
+            return self.client().exec(sid, cmd, timeout=600, env=env, stdin=stdin)
 
         def destroy() -> None:
             assert self.dh is not None
-            self.dh.client().delete_sandbox(sid)
+            self.client().delete_sandbox(sid)
         return Box(sid, run, destroy)
 
     def bare_box(self, image: str) -> Box:
@@ -343,7 +356,7 @@ class Bench:
         args = {**ext.args, "request_id": os.urandom(8).hex()}  # regenerated on every attempt
         if ledger:
             assert self.dh is not None
-            self.dh.client().effect_call(box.sid, ext.op, args, lambda: self.outside.call(ext.op, args))
+            self.client().effect_call(box.sid, ext.op, args, lambda: self.outside.call(ext.op, args))
         else:
             self.outside.call(ext.op, args)
 
@@ -398,12 +411,12 @@ class Bench:
     # -- through crabd ----------------------------------------------------------------------------------
     def last_seq(self, sid: str) -> int:
         assert self.dh is not None
-        return last_seq(self.dh.client(), sid)
+        return last_seq(self.client(), sid)
 
     def await_rollback(self, t: Trace, sid: str, since: int, timeout: float = 180) -> int | None:
         """The turn of the checkpoint crabd rolled the sandbox back to (None: no rollback yet)."""
         assert self.dh is not None
-        c = self.dh.client()
+        c = self.client()
         deadline = time.monotonic() + timeout
         while True:
             for e in c.events(since=since, sandbox=sid):
@@ -422,7 +435,7 @@ class Bench:
         already sent ran after the recovery (the kill came before its command
         started): then its own checkpoint, whose effects are in the sandbox."""
         assert self.dh is not None
-        c = self.dh.client()
+        c = self.client()
         return int(c.checkpoint(c.sandbox(sid)["head"])["turn"])
 
     def wait_durable(self, sid: str, cid: str | None = None, timeout: float = 180,
@@ -431,7 +444,7 @@ class Bench:
         `sized`: and every committed one has its bytes counted (the daemon
         sizes checkpoints as idle work after the commit)."""
         assert self.dh is not None
-        c = self.dh.client()
+        c = self.client()
         deadline = time.monotonic() + timeout
         while True:
             cks = c.checkpoints(sid, all=True)
@@ -581,7 +594,7 @@ class Bench:
         self.dh.kill9()
         self.dh.start()
         rec.rollback_ms = (time.monotonic() - tk) * 1000
-        c = self.dh.client()
+        c = self.client()
         ck = c.checkpoint(r["checkpoint"])
         rec.note = f"turn {rec.k}'s {r['plan']} checkpoint was {ck['state']} after the restart"
         rolled = [e for e in c.events(since=since, sandbox=box.sid) if e["kind"] == "sandbox.rolled_back"]

@@ -144,7 +144,7 @@ def _point(b: Bench, t: Trace, box: Box, pos_of: dict[int, int], k: int, pos: in
     ok = r["stdout"].strip() == digests[pos]
     if not ok:   # what crabd restored, for the report: the newest checkpoints and the head
         assert b.dh is not None
-        c = b.dh.client()
+        c = b.client()
         head = c.sandbox(box.sid)["head"]
         cks = sorted(c.checkpoints(box.sid, all=True), key=lambda x: x["seq"])[-6:]
         evs = [f"{e['seq']}:{e['kind']}:{(e.get('data') or {}).get('checkpoint', '')}@{e['ts']:.3f}"
