@@ -55,7 +55,6 @@ import os
 import secrets
 import shutil
 import struct
-import subprocess
 import sys
 import tempfile
 import threading
@@ -284,20 +283,13 @@ def make_state(workdir: str, mib: int, driver: str = "btrfs") -> tuple[Path, Pat
 
 def import_busybox(state: Path) -> None:
     """The busybox image: static busybox and its applet links (as the tests make it)."""
-    busybox = Path("/bin/busybox")
-    if not busybox.exists():
-        raise SystemExit("busybox-static missing: run scripts/setup-host")
+    from crabd.errors import FailedPrecondition
+    from crabd.testing import busybox_rootfs
     with tempfile.TemporaryDirectory(prefix="crabd-bb-", dir=str(state)) as tmp:
-        root = Path(tmp) / "rootfs"
-        for d in ("bin", "tmp", "etc", "root"):
-            (root / d).mkdir(parents=True)
-        shutil.copy2(busybox, root / "bin" / "busybox")
-        applets = subprocess.run([str(busybox), "--list"], capture_output=True, text=True, check=True,
-                                 timeout=30).stdout.split()
-        for name in applets:
-            if name != "busybox":
-                (root / "bin" / name).symlink_to("busybox")
-        (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
+        try:
+            root = busybox_rootfs(Path(tmp) / "rootfs")
+        except FailedPrecondition as e:
+            raise SystemExit(f"{e}") from None
         Runtime(state).images.import_path(str(root), "busybox")
 
 

@@ -212,6 +212,7 @@ class Bench:
         self.outside = Outside()
         self._client: Any = None
         self._client_key: tuple[int, int] | None = None
+        self.killed_at: float | None = None   # wall time of the last kill_all
         self.capture_flag = "--capture" in subprocess.run([CRABD, "serve", "--help"], capture_output=True,
                                                           text=True, timeout=60).stdout
 
@@ -265,6 +266,8 @@ class Bench:
     def close(self) -> None:
         self.outside.close()
         self.stop_daemon()
+        if self._client is not None:
+            self._client.close()
         for sb in self.rt.list():
             try:
                 self.rt.destroy(sb.id)
@@ -294,6 +297,7 @@ class Bench:
 
     def kill_all(self, sid: str) -> None:
         """kill -9 every process of the sandbox, as the OOM killer or a crash would."""
+        self.killed_at = time.time()
         for pid in self.rt.pids(sid):
             try:
                 os.kill(pid, signal.SIGKILL)

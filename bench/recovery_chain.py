@@ -84,9 +84,7 @@ def run_chain(b: Bench, t: Trace, method: str, fault: str, digests: list[str], r
             if fault == "mid-turn" and pos + 1 == next_k:
                 since = b.last_seq(box.sid)
                 timer = b.mid_turn_timer(t, next_k, ref, box.sid)
-                killed_at: list[float] = []
-                kill = timer.function
-                timer.function = lambda *a: (killed_at.append(time.time()), kill(*a))  # type: ignore[assignment]
+                b.killed_at = None
                 sent = time.time()
                 timer.start()
                 tk = time.monotonic()
@@ -100,7 +98,7 @@ def run_chain(b: Bench, t: Trace, method: str, fault: str, digests: list[str], r
                     pass
                 timer.join()
                 if replied:
-                    note += f", kill at {killed_at[0] - sent:.3f} s)" if killed_at else ")"
+                    note += f", kill at {b.killed_at - sent:.3f} s)" if b.killed_at else ")"
                 turn = b.await_rollback(t, box.sid, since)
                 ms = (time.monotonic() - tk) * 1000
                 done = pos
