@@ -60,6 +60,21 @@ _CRABD_PATHS = ("/dev/.crabd",)
 # agent retries the turn from the checkpoint before).
 DIED_REASON = "the sandbox died during this turn: not a recovery target"
 
+# Why a checkpoint saves everything (FS_PROC) whatever the inspector saw: a
+# plan that saves less claims that nothing else changed since the checkpoint
+# it shares state with, and that claim needs an unbroken record back to a
+# durable checkpoint. Three things break the record: a restart of crabd (what
+# the sandbox did while no inspector watched is unknown), a capture that did
+# not commit (its turn's changes were never saved: the next plan must cover
+# them too), and processes restored by a rollback or fork that ran before the
+# inspector watched them again.
+BLIND_RESTART = "crabd restarted: what the sandbox did while crabd was down was not seen"
+BLIND_RESTORED = "processes were restored and ran before the inspector watched them"
+
+
+def _blind_reason(why: str) -> str:
+    return f"saving everything: {why}"
+
 
 @dataclass
 class DaemonOptions:
@@ -90,6 +105,10 @@ class Turns:
     last_end: float | None = None
     init_pid: int | None = None
     recovering: bool = False
+    # Set when the inspector's record since the last durable checkpoint is
+    # broken (BLIND_*): the next checkpoint saves everything. Cleared when a
+    # checkpoint opened under that reason commits.
+    blind: str | None = None
 
 
 class Daemon:
@@ -195,6 +214,7 @@ class Daemon:
                 self._event("sandbox.thawed", row.id, reason="found frozen at daemon start")
             if sb.status == "running":
                 await asyncio.to_thread(self._watch, row.id)
+                self.turns[row.id].blind = BLIND_RESTART
                 self.store.update_sandbox(row.id, state="running")
                 self._event("sandbox.adopted", row.id)
             else:
@@ -365,9 +385,10 @@ class Daemon:
         mounts = self.fs.prepare(key, parent=parent_snapshot)
         try:
             sb = self.runtime.create(image, name=name, limits=limits, root=mounts, start=False)
+            restored = "fs"
             if base_checkpoint is not None:
                 chaos_point("fork")
-                self._start_from(sb.id, base_checkpoint)
+                restored = self._start_from(sb.id, base_checkpoint)
             else:
                 self.runtime.start(sb.id)
         except BaseException:
@@ -398,7 +419,9 @@ class Daemon:
             self.fs.remove(key)
             self.store.delete_sandbox(sb.id)
             raise
-        self.turns.setdefault(sb.id, Turns())
+        t = self.turns.setdefault(sb.id, Turns())
+        if "proc" in restored:
+            t.blind = BLIND_RESTORED
         self.metrics.sandboxes.set(len(self.turns))
         self._event("sandbox.created", sb.id, image=image, name=row.name, forked_from=row.forked_from)
         return row
@@ -675,7 +698,7 @@ class Daemon:
             effects = self.inspector.end_turn(row.id)
             t.last_end = time.monotonic()
             died = t.init_pid is not None and not pid_alive(t.init_pid)
-            ck = await asyncio.to_thread(self._open_checkpoint, row, turn, effects, died=died)
+            ck = await asyncio.to_thread(self._open_checkpoint, row, turn, effects, died=died, blind=t.blind)
             await asyncio.to_thread(self._ledger_after_turn, row, turn, ck, effects, time.monotonic() - t_exec)
             t.capture = asyncio.ensure_future(self._run_capture(row.id, ck))
             self.metrics.stall.observe(stall)
@@ -696,7 +719,7 @@ class Daemon:
             row = await asyncio.to_thread(self.store.get_sandbox, row.id)
             effects = self.inspector.end_turn(row.id)
             t.last_end = time.monotonic()
-            ck = await asyncio.to_thread(self._open_checkpoint, row, row.turn + 1, effects)
+            ck = await asyncio.to_thread(self._open_checkpoint, row, row.turn + 1, effects, blind=t.blind)
             t.capture = asyncio.ensure_future(self._run_capture(row.id, ck))
             self.inspector.begin_turn(row.id)
             return {"turn": row.turn + 1, "checkpoint": ck.id, "plan": ck.plan, "reasons": ck.reasons,
@@ -711,7 +734,7 @@ class Daemon:
             row = await asyncio.to_thread(self.store.get_sandbox, row.id)
             effects = self.inspector.end_turn(row.id)
             self.inspector.begin_turn(row.id)
-            ck = await asyncio.to_thread(self._open_checkpoint, row, row.turn, effects, manual=True)
+            ck = await asyncio.to_thread(self._open_checkpoint, row, row.turn, effects, manual=True, blind=t.blind)
             t.capture = asyncio.ensure_future(self._run_capture(row.id, ck))
             if wait:
                 await self._wait_capture(t)
@@ -728,9 +751,9 @@ class Daemon:
         return time.monotonic() - t0
 
     def _open_checkpoint(self, row: SandboxRow, turn: int, effects: Any, manual: bool = False,
-                         died: bool = False) -> CheckpointRow:
+                         died: bool = False, blind: str | None = None) -> CheckpointRow:
         try:
-            return self._open_checkpoint_row(row, turn, effects, manual, died)
+            return self._open_checkpoint_row(row, turn, effects, manual, died, blind)
         except sqlite3.OperationalError as e:
             if _disk_full(e):
                 # No room for the turn's checkpoint row (the API answers 507
@@ -743,8 +766,27 @@ class Daemon:
                     log.warning("releasing the space reserve: %s", e2)
             raise
 
+    def _durable_parent(self, head: str | None) -> tuple[CheckpointRow | None, list[CheckpointRow]]:
+        """The nearest checkpoint at or above `head` that a new checkpoint may
+        share state with (committed, with a file-system snapshot), and the
+        rows passed over on the way (failed, cancelled or discarded captures,
+        or rows without files): their turns' changes were never saved."""
+        passed: list[CheckpointRow] = []
+        cid, seen = head, set()
+        while cid and cid not in seen:
+            seen.add(cid)
+            try:
+                c = self.store.get_checkpoint(cid)
+            except NotFound:
+                break
+            if c.state == "committed" and c.fs_snapshot:
+                return c, passed
+            passed.append(c)
+            cid = c.parent
+        return None, passed
+
     def _open_checkpoint_row(self, row: SandboxRow, turn: int, effects: Any, manual: bool,
-                             died: bool = False) -> CheckpointRow:
+                             died: bool = False, blind: str | None = None) -> CheckpointRow:
         import ebpf
         from .capture import apply_mode
         plan = ebpf.classify(effects)
@@ -752,11 +794,19 @@ class Daemon:
         reasons = list(plan.reasons)
         if manual and kind == "SKIP":
             kind, reasons = "FS", ["manual checkpoint"] + reasons
+        parent, passed = self._durable_parent(row.head)
+        if passed:
+            blind = blind or (f"checkpoint(s) {', '.join(c.id for c in passed[:3])} did not commit "
+                              f"({passed[0].state}): their turns' changes were never saved")
+        if blind and kind != "FS_PROC":
+            kind = "FS_PROC"
+            reasons = [_blind_reason(blind)] + reasons
         kind, reasons = apply_mode(kind, reasons, self.options.capture)
         if died:
             reasons.append(DIED_REASON)
         seq = self.store.allocate_seq(row.id)
-        ck = CheckpointRow(id=f"{row.id}-{seq}", sandbox_id=row.id, seq=seq, parent=row.head, branch=row.branch,
+        ck = CheckpointRow(id=f"{row.id}-{seq}", sandbox_id=row.id, seq=seq,
+                           parent=parent.id if parent is not None else None, branch=row.branch,
                            turn=turn, plan=kind, reasons=reasons, effects=effects.model_dump(mode="json"))
         with self.store.transaction():
             self.store.add_checkpoint(ck)
@@ -768,6 +818,8 @@ class Daemon:
         checkpoint is committed and durable. Counting its bytes (a walk of the
         snapshot's tree) is queued after that as idle work (`_size_checkpoint`)."""
         from .scheduler import JobCancelled
+        turns = self.turns.get(sid)
+        blind_at_open = turns.blind if turns is not None else None
         # Size estimate for the I/O budget: a SKIP writes nothing.
         est = 0 if ck.plan == "SKIP" else 1 << 20
         job = self.scheduler.policy.checkpoint_job(sid, est, time.monotonic())
@@ -804,6 +856,8 @@ class Daemon:
                 except OSError as e4:
                     log.warning("releasing the space reserve: %s", e4)
         else:
+            if turns is not None and blind_at_open is not None and turns.blind is blind_at_open:
+                turns.blind = None  # this checkpoint saved everything: the record is whole again
             if ck.plan != "SKIP" and not (self.state_dir / "space.reserve").exists():
                 # Space is back (a reserve released on a full disk): keep one
                 # again, when that does not fill the file system right away.
@@ -827,6 +881,13 @@ class Daemon:
             # What this checkpoint inherits (snapshot, process image, seals) is
             # signed again by its commit: never launder a tampered parent.
             self.store.verify(parent)
+        if ck.plan != "FS_PROC" and (parent is None or parent.state != "committed" or not parent.fs_snapshot):
+            # SKIP and FS share state with their parent; one that is not
+            # durable (failed, discarded) shares nothing: save everything.
+            why = f"parent {ck.parent} is not a durable checkpoint" if ck.parent else "no durable parent"
+            ck.plan, ck.reasons = "FS_PROC", [_blind_reason(why)] + list(ck.reasons)
+            from .capture import apply_mode
+            ck.plan, ck.reasons = apply_mode(ck.plan, ck.reasons, self.options.capture)
         if ck.plan == "SKIP" and parent is not None:
             self.store.commit_checkpoint(ck.id, fs_snapshot=parent.fs_snapshot, proc_image=parent.proc_image,
                                          bytes=0, durations={"queue": queue, "total": time.monotonic() - t_start,
@@ -853,7 +914,8 @@ class Daemon:
         # (fs-only mode downgraded an FS_PROC turn: its processes did run.)
         from .capture import FS_ONLY_REASON
         inherited = parent.proc_image if parent is not None and FS_ONLY_REASON not in ck.reasons else None
-        self.store.commit_checkpoint(ck.id, fs_snapshot=name, proc_image=inherited, durations=d)
+        self.store.commit_checkpoint(ck.id, fs_snapshot=name, proc_image=inherited, durations=d, plan=ck.plan,
+                                     reasons=list(ck.reasons))
         self.metrics.observe_checkpoint({k: v for k, v in d.items() if k in PHASES and k != "queue"})
         self._event("checkpoint.committed", ck.sandbox_id, checkpoint=ck.id, plan=ck.plan, bytes=None,
                     pause_ms=round(d["pause"] * 1000, 3))
@@ -1024,7 +1086,7 @@ class Daemon:
         if error:
             reasons.append(f"process image not captured: {error}")
         self.store.commit_checkpoint(ck.id, fs_snapshot=ck.id, proc_image=proc_image, bytes=size or 0, durations=d,
-                                     reasons=reasons)
+                                     reasons=reasons, plan=ck.plan)
         self.metrics.observe_checkpoint({k: v for k, v in d.items() if k in PHASES and k != "queue"}, size or 0)
         if error:
             self._event("checkpoint.proc_failed", ck.sandbox_id, checkpoint=ck.id, error=error)
@@ -1132,8 +1194,7 @@ class Daemon:
         ca, cb = self.store.get_checkpoint(a), self.store.get_checkpoint(b)
         for c in (ca, cb):
             self._own(self.store.get_sandbox(c.sandbox_id), owner)
-            if c.state != "committed":
-                raise FailedPrecondition(f"checkpoint {c.id} is {c.state}")
+            self._require_files(c)
         for c in (ca, cb):  # a diff reads both snapshots: both must be what was committed
             self._verify_checkpoint(c, processes=False)
         changes = self.fs.diff(ca.fs_snapshot, cb.fs_snapshot) if ca.fs_snapshot != cb.fs_snapshot else []
@@ -1161,6 +1222,9 @@ class Daemon:
                     if sid == row.id:
                         self._schedule_sizing(sid, cid, extra)
             t.last_end = None
+            # The sandbox is the target's state now; restored processes ran
+            # before the inspector watched them again (see BLIND_RESTORED).
+            t.blind = BLIND_RESTORED if "proc" in out.get("restored", "") else None
             sb = await asyncio.to_thread(self.runtime.get, row.id)
             t.init_pid = sb.pid
         self.metrics.rollbacks.labels(result="ok").inc()
@@ -1179,7 +1243,7 @@ class Daemon:
         fallback: CheckpointRow | None = None
         while cid:
             c = self.store.get_checkpoint(cid)
-            if c.state == "committed":
+            if c.state == "committed" and c.fs_snapshot:
                 if not (c.plan == "FS_PROC" and not c.proc_image) and DIED_REASON not in (c.reasons or []):
                     return c
                 fallback = fallback or c
@@ -1188,9 +1252,23 @@ class Daemon:
             return fallback
         raise NotFound(f"sandbox {row.id} has no committed checkpoint")
 
+    @staticmethod
+    def _require_files(ck: CheckpointRow) -> None:
+        """A rollback or fork target must hold files to start from: a failed
+        or discarded checkpoint never does, nor a row an older crabd
+        committed on top of one (it would start an empty root)."""
+        if ck.state != "committed":
+            raise FailedPrecondition(f"checkpoint {ck.id} is {ck.state}, not committed: it holds no state",
+                                     fix=f"roll back to a committed checkpoint (GET /v1/sandboxes/{ck.sandbox_id}"
+                                         "/checkpoints lists them)")
+        if not ck.fs_snapshot:
+            raise FailedPrecondition(f"checkpoint {ck.id} holds no file-system snapshot (its parent never became "
+                                     "durable)", fix="roll back to an older committed checkpoint")
+
     def _rollback_sync(self, sid: str, ref: str | int | None, reason: str) -> dict[str, Any]:
         row = self.store.get_sandbox(sid)
         ck = self._latest_committed(row) if ref is None else self.resolve_checkpoint(sid, ref)
+        self._require_files(ck)
         self._verify_checkpoint(ck)  # before anything of the sandbox is stopped or replaced
         timing: dict[str, float] = {}
         try:
@@ -1344,6 +1422,7 @@ class Daemon:
             raise InvalidArgument("count must be between 1 and 64")
         ck = await asyncio.to_thread(self.store.get_checkpoint, cid)
         src = self._own(await asyncio.to_thread(self.store.get_sandbox, ck.sandbox_id), owner)
+        self._require_files(ck)
         await asyncio.to_thread(self._verify_checkpoint, ck)
         t0 = time.monotonic()
         made = []
