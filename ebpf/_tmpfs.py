@@ -15,11 +15,13 @@ the BPF program records each path as the syscall passed it, so a write to
 symlink `/work/shm -> /dev/shm`, through an `openat` dirfd, or through a
 shared mapping (no syscall at all), does not name the tmpfs. The choices:
 - Reading the mount a path landed on in the kernel (task->fs->pwd, the fd
-  table, the dentry's superblock) needs struct offsets; bcc compiles
-  against Debian's 6.12 headers on a 6.18 kernel, and no kprobes or BTF-typed
-  programs are available to check them at run time. A wrong offset reads
-  garbage and says "rootfs": unsound in the one way that loses data. Not
-  done.
+  table, the dentry's superblock) needs struct offsets, and bcc compiles
+  against Debian's 6.12 headers on a 6.18 kernel. Checked here: the
+  headers put `task_struct.fs` at byte 3040 (sizeof 9792), the running
+  kernel's BTF (/sys/kernel/btf/vmlinux) at 1816 (sizeof 3264); only
+  `fs_struct.pwd`, `dentry.d_sb` and `super_block.s_magic` agree. A wrong
+  offset reads garbage and says "rootfs": unsound in the one way that loses
+  data. Not done (offsets taken from BTF at load time would be the way).
 - Resolving relative, dirfd and symlink paths from user space
   (/proc/PID/cwd, /proc/PID/fd/N at event time) is racy: the shell of
   `cd /dev/shm && echo x > f` has exited before the event is read.
@@ -35,8 +37,9 @@ from /proc/PID/mountinfo, fstype in `MEMORY_FS`): per entry its type, inode,
 mode, owner, link count, size, mtime and ctime (ctime moves on every write,
 chmod, chown, xattr change and rename through a syscall), a symlink's
 target, the xattr names of files and directories, and a digest of every
-regular file's content: a store through a MAP_SHARED mapping of a shmem
-file updates neither mtime nor ctime. Device nodes keep no times: a tty
+regular file's content: a store into a shmem page already mapped writable
+(MAP_SHARED) moves neither mtime nor ctime (checked on this kernel: only
+the first store after the mapping does). Device nodes keep no times: a tty
 write bumps its node's mtime (tty_update_time), which is not state a
 rollback has to restore. atime is left out (reads move it); the scan opens
 with O_NOATIME so it does not move it itself.
