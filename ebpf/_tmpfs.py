@@ -332,7 +332,7 @@ class HostMemoryFs:
         self._proc = proc
         self._max_entries, self._max_bytes = max_entries, max_bytes
 
-    def _ns(self, pid: int) -> int | None:
+    def _ns(self, pid: int | str) -> int | None:
         try:
             return os.stat(f"{self._proc}/{pid}/ns/mnt").st_ino
         except OSError:
@@ -354,10 +354,15 @@ class HostMemoryFs:
             os.close(root)
 
     def manifest(self, pids: Iterable[int], outside: tuple[str, ...] = ()) -> Manifest:
+        # A process in the watcher's own mount namespace (a test's host
+        # shell, never a runc sandbox) sees the host's mounts: those are no
+        # sandbox's state, no process checkpoint of it would hold them, and
+        # the host's /run, /dev/shm and cgroup tmpfs are big and busy.
+        host = self._ns("self")
         by_ns: dict[int, list[int]] = {}
         for pid in sorted(pids):
             ns = self._ns(pid)
-            if ns is not None:
+            if ns is not None and ns != host:
                 by_ns.setdefault(ns, []).append(pid)
         budget = _Budget(self._max_entries, self._max_bytes)
         out: Manifest = {}

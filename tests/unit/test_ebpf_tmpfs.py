@@ -169,3 +169,10 @@ def test_fallback_reports_a_tmpfs_change_as_fs_proc():
     assert classify(insp.end_turn("sb")).kind is PlanKind.SKIP
     memfs.state[(1, "/dev/shm")][""] = ("d", 2)
     assert classify(insp.end_turn("sb")).kind is PlanKind.FS_PROC
+
+
+def test_the_watchers_own_mount_namespace_is_not_scanned(sandbox, tmp_path):
+    fs, shm = sandbox
+    (tmp_path / "proc" / "self" / "ns").mkdir(parents=True)
+    os.link(tmp_path / "proc" / "7" / "ns" / "mnt", tmp_path / "proc" / "self" / "ns" / "mnt")  # pid 7 shares it
+    assert fs.manifest([7]) == {}
