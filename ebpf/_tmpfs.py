@@ -223,13 +223,17 @@ def _entry(dir_fd: int, name: str, st: os.stat_result, budget: _Budget) -> Entry
         return base + (st.st_rdev,)
     if fmt != stat.S_IFREG:  # fifo, socket (directories are handled by the walk)
         return base + (st.st_mtime_ns, st.st_ctime_ns)
-    fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
+    try:
+        fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
+    except PermissionError:  # O_NOATIME needs ownership or CAP_FOWNER
+        fd = os.open(name, _FILE_FLAGS & ~os.O_NOATIME, dir_fd=dir_fd)
     try:
         fst = os.fstat(fd)
         if fst.st_ino != st.st_ino or not stat.S_ISREG(fst.st_mode):
             return unknown("replaced while read")
         digest = _digest(fd, fst.st_size, budget)
-        # a write during the read leaves ctime (and so the entry) different
+        # a write(2) during the read moves ctime past the fstat above: the
+        # next scan differs
         return base + (fst.st_size, fst.st_mtime_ns, fst.st_ctime_ns, digest, _xattrs(fd))
     finally:
         os.close(fd)

@@ -39,8 +39,9 @@ def _captured(c: Client, sid: str) -> None:
                f"committed checkpoints of {sid}", 120, interval=0.05)
 
 
-def _check(c: Client, image: str, setup: list[str], cmd: str, plan: str, path: str, content: str) -> str | None:
-    """None when the case holds, else what went wrong."""
+def _check(c: Client, image: str, setup: list[str], cmd: str, plan: str, path: str, content: str) -> list[str]:
+    """What went wrong with one case (nothing when it holds)."""
+    wrong = []
     sid = c.create_sandbox(image)["id"]
     try:
         for s in setup:
@@ -48,14 +49,14 @@ def _check(c: Client, image: str, setup: list[str], cmd: str, plan: str, path: s
         r = c.exec(sid, cmd)
         assert r["exit_code"] == 0, r["stderr"]
         if r["plan"] != plan:
-            return f"planned {r['plan']}, expected {plan}: {r['reasons']}"
+            wrong.append(f"planned {r['plan']}, expected {plan}: {r['reasons']}")
         c.exec(sid, f"rm -f {path}")
         _captured(c, sid)
         c.rollback(sid, r["checkpoint"])
         back = c.exec(sid, f"head -c {len(content)} {path}")
         if (back["exit_code"], back["stdout"]) != (0, content):
-            return f"after a rollback to its checkpoint: {back['stdout']!r} {back['stderr']!r}"
-        return None
+            wrong.append(f"after a rollback to its checkpoint: {back['stdout']!r} {back['stderr']!r}")
+        return wrong
     finally:
         c.delete_sandbox(sid)
 
