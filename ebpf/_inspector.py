@@ -34,7 +34,7 @@ from typing import Protocol
 
 from ebpf._events import MAX_TAGS, Event
 from ebpf._proc import HostProcessTable, ProcessTable, ProcInfo, quiet_baseline, settled_snapshot, snapshot
-from ebpf._tmpfs import HostMemoryFs, Manifest, MemoryFs, changed_paths
+from ebpf._tmpfs import HostMemoryFs, Manifest, MemoryFs, rescan
 from ebpf._turn import DEFAULT_STATELESS, TurnRecorder
 from ebpf.effects import MAX_SAMPLES, Effects
 from ebpf.errors import AlreadyWatched, BPFUnavailable, InvalidArgument, NotWatched
@@ -252,8 +252,7 @@ class Inspector:
                 for pid in pids:
                     self._loader.add_pid(pid, tag)
             w.baseline = snapshot(self._procs, path)
-            if self._memfs is not None:
-                w.tmpfs = self._memfs.manifest(set(w.baseline), w.outside)
+            _, w.tmpfs = rescan(self._memfs, {}, set(w.baseline), w.outside)
             self._sandboxes[sandbox_id] = w
             self._by_tag[tag] = w
 
@@ -349,10 +348,7 @@ class Inspector:
         # processes first (waiting for new ones to settle), then the cut: what
         # a process does while starting up belongs to the turn that started it
         after = settled_snapshot(self._procs, w.cgroup_path, w.baseline, self._settle)
-        tmpfs_changed = None
-        if self._memfs is not None:
-            now = self._memfs.manifest(set(after), w.outside)
-            tmpfs_changed, w.tmpfs = changed_paths(w.tmpfs, now), now
+        tmpfs_changed, w.tmpfs = rescan(self._memfs, w.tmpfs, set(after), w.outside)
         cut = self._clock()
         with w.lock:
             w.cut_ns = cut

@@ -381,6 +381,20 @@ class HostMemoryFs:
         return out
 
 
+def rescan(memfs: MemoryFs | None, last: Manifest, pids: Iterable[int],
+           outside: tuple[str, ...]) -> tuple[list[str] | None, Manifest]:
+    """(paths changed since `last`, the new manifest), for an inspector's
+    watch and end_turn; (None, last) when the check is off. A scan that
+    fails outright counts as a change: the turn is then FS_PROC."""
+    if memfs is None:
+        return None, last
+    try:
+        now = memfs.manifest(pids, outside)
+    except Exception as e:  # noqa: BLE001 - a bug here must not hide a change
+        return [f"? (tmpfs check failed: {e!r:.80})"], {(0, ""): {"": unknown("scan failed")}}
+    return changed_paths(last, now), now
+
+
 def _main(argv: list[str]) -> int:
     """`python -m ebpf._tmpfs PID [REPEAT]`: print the manifest of PID's
     memory mounts and the time one scan takes (for the README's cost figure)."""

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ebpf._proc import HostProcessTable, ProcessTable, ProcInfo, quiet_baseline, settled_snapshot, snapshot
-from ebpf._tmpfs import HostMemoryFs, Manifest, MemoryFs, changed_paths
+from ebpf._tmpfs import HostMemoryFs, Manifest, MemoryFs, rescan
 from ebpf._turn import DEFAULT_STATELESS, TurnRecorder, external_tool, package_manager
 from ebpf.effects import MAX_SAMPLES, Effects, ExecRecord, Sample
 from ebpf.errors import AlreadyWatched, NotWatched
@@ -108,8 +108,7 @@ class ProcInspector:
             path = Path(cgroup_path)
             w = _Watched(sandbox_id, path, snapshot(self._procs, path), stateless=stateless_comms,
                          outside=tuple(outside_paths))
-            if self._memfs is not None:
-                w.tmpfs = self._memfs.manifest(set(w.baseline), w.outside)
+            _, w.tmpfs = rescan(self._memfs, {}, set(w.baseline), w.outside)
             self._sandboxes[sandbox_id] = w
         if self._probe is not None:
             self._probe(sandbox_id)  # start the probe's "since" at watch time
@@ -146,10 +145,7 @@ class ProcInspector:
     def end_turn(self, sandbox_id: str) -> Effects:
         w = self._get(sandbox_id)
         after = settled_snapshot(self._procs, w.cgroup_path, w.baseline, self._settle)
-        tmpfs_changed = None
-        if self._memfs is not None:
-            now = self._memfs.manifest(set(after), w.outside)
-            tmpfs_changed, w.tmpfs = changed_paths(w.tmpfs, now), now
+        tmpfs_changed, w.tmpfs = rescan(self._memfs, w.tmpfs, set(after), w.outside)
         cut = self._clock()
         before, w.baseline = w.baseline, after
         w.turn += 1

@@ -2,7 +2,8 @@
 in memory, so only a process checkpoint keeps it: the turn must be FS_PROC
 and a rollback to its checkpoint must bring the file back, whatever path the
 write went through (relative to the cwd, through a symlink, through an fd,
-through a shared mapping of a process that has exited). A plain relative
+relative to a directory fd, through a shared mapping of a process that has
+exited). A plain relative
 write to the root file system stays FS.
 
 Each case: one sandbox; a setup turn (if any); the turn under test, whose
@@ -20,6 +21,11 @@ MMAP_WRITE = (
     "m[:5] = b'mmap!'; m.close(); os.close(fd)"
 )
 
+AT_WRITE = (
+    "import os; d = os.open('/dev/shm', os.O_RDONLY | os.O_DIRECTORY); "
+    "f = os.open('at.txt', os.O_CREAT | os.O_WRONLY, 0o644, dir_fd=d); os.write(f, b'at!'); os.close(f)"
+)
+
 # id: (image, setup commands, command under test, expected plan, file, its content)
 CASES = {
     "relative": ("busybox", [], "cd /dev/shm && echo hello > rel.txt", "FS_PROC", "/dev/shm/rel.txt", "hello\n"),
@@ -30,6 +36,7 @@ CASES = {
     "dev-tmpfs": ("busybox", [], "cd / && echo indev > dev/mine.txt", "FS_PROC", "/dev/mine.txt", "indev\n"),
     "mmap": ("debian-py", ["head -c 4096 /dev/zero > /dev/shm/m"], f'cd /dev/shm && python3 -c "{MMAP_WRITE}"',
              "FS_PROC", "/dev/shm/m", "mmap!"),
+    "dirfd": ("debian-py", [], f'python3 -c "{AT_WRITE}"', "FS_PROC", "/dev/shm/at.txt", "at!"),
     "rootfs-relative": ("busybox", [], "mkdir -p /work && cd /work && echo x > rel.txt", "FS", "/work/rel.txt", "x\n"),
 }
 

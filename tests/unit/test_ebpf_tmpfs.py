@@ -176,3 +176,16 @@ def test_the_watchers_own_mount_namespace_is_not_scanned(sandbox, tmp_path):
     (tmp_path / "proc" / "self" / "ns").mkdir(parents=True)
     os.link(tmp_path / "proc" / "7" / "ns" / "mnt", tmp_path / "proc" / "self" / "ns" / "mnt")  # pid 7 shares it
     assert fs.manifest([7]) == {}
+
+
+def test_a_failing_scan_counts_as_a_change():
+    class Broken(StaticMemoryFs):
+        def manifest(self, pids, outside=()):
+            raise RuntimeError("boom")
+
+    procs = FakeProcessTable()
+    procs.start(CG, 1, ("crabd-init",))
+    insp = Inspector(FakeLoader(), processes=procs, clock=FakeClock(), poll_interval=None, memory_fs=Broken())
+    insp.watch("sb", CG, init_pid=1)
+    for _ in range(2):
+        assert classify(insp.end_turn("sb")).kind is PlanKind.FS_PROC
