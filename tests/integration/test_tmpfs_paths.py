@@ -71,7 +71,7 @@ def _check(c: Client, image: str, setup: list[str], cmd: str, plan: str, path: s
 def test_tmpfs_writes_are_planned_and_rolled_back(start_daemon):
     c = start_daemon(images=("busybox", "debian-py")).client()
     failed = {case: why for case, args in CASES.items() if (why := _check(c, *args))}
-    assert not failed, failed
+    assert not failed, "\n".join(f"{case}: {'; '.join(why)}" for case, why in failed.items())
 
 
 def test_crabds_own_paths_and_reads_leave_a_turn_skip(start_daemon):
