@@ -34,6 +34,7 @@ from typing import Protocol
 
 from ebpf._events import MAX_TAGS, Event
 from ebpf._proc import HostProcessTable, ProcessTable, ProcInfo, quiet_baseline, settled_snapshot, snapshot
+from ebpf._tmpfs import HostMemoryFs, Manifest, MemoryFs, rescan
 from ebpf._turn import DEFAULT_STATELESS, TurnRecorder
 from ebpf.effects import MAX_SAMPLES, Effects
 from ebpf.errors import AlreadyWatched, BPFUnavailable, InvalidArgument, NotWatched
@@ -119,6 +120,7 @@ class _Watched:
     # processes before it, and the window whose events are the pause's own
     pre_pause: dict[int, ProcInfo] | None = None
     mute: tuple[int, int | None] | None = None
+    tmpfs: Manifest = field(default_factory=dict)  # the memory file systems at the last turn end
 
 
 class Inspector:
@@ -133,9 +135,13 @@ class Inspector:
         poll_interval: float | None = 0.01,
         max_samples: int = MAX_SAMPLES,
         settle: float = 0.2,
+        memory_fs: MemoryFs | None = None,
     ) -> None:
         self._loader = loader if loader is not None else default_loader()
         self._procs = processes if processes is not None else HostProcessTable()
+        # the tmpfs check reads the processes the table lists: with a fake
+        # table (unit tests) it is on only when a matching fake is passed
+        self._memfs = memory_fs if memory_fs is not None else HostMemoryFs() if processes is None else None
         self._clock = clock
         self._poll_interval = poll_interval
         self._settle = settle  # max seconds end_turn waits for new processes to settle
@@ -246,6 +252,7 @@ class Inspector:
                 for pid in pids:
                     self._loader.add_pid(pid, tag)
             w.baseline = snapshot(self._procs, path)
+            _, w.tmpfs = rescan(self._memfs, {}, set(w.baseline), w.outside)
             self._sandboxes[sandbox_id] = w
             self._by_tag[tag] = w
 
@@ -341,6 +348,7 @@ class Inspector:
         # processes first (waiting for new ones to settle), then the cut: what
         # a process does while starting up belongs to the turn that started it
         after = settled_snapshot(self._procs, w.cgroup_path, w.baseline, self._settle)
+        tmpfs_changed, w.tmpfs = rescan(self._memfs, w.tmpfs, set(after), w.outside)
         cut = self._clock()
         with w.lock:
             w.cut_ns = cut
@@ -379,4 +387,5 @@ class Inspector:
             dropped=dropped - db,
             stateless=w.stateless,
             suppressed={k: v - sb_base.get(k, 0) for k, v in suppressed.items() if v - sb_base.get(k, 0) > 0},
+            tmpfs_changed=tmpfs_changed,
         )

@@ -74,7 +74,10 @@ def path_scope(path: str) -> str:
     """Where a write to `path` lands: rootfs, device, process, kernel or tmpfs.
 
     Anything not absolute (relative to a cwd or a directory fd we cannot
-    resolve) is rootfs: when unsure, it counts."""
+    resolve) is rootfs, and symlinks are not resolved: `cd /dev/shm; echo >
+    f` looks like a rootfs write here. A tmpfs change is still caught by the
+    turn-end comparison of the memory file systems (ebpf._tmpfs), which does
+    not depend on the path the write named."""
     if not path.startswith("/"):
         return "rootfs"
     p = posixpath.normpath(path)
@@ -340,9 +343,15 @@ class TurnRecorder:
         notes: list[str] | None = None,
         external_unknown: bool = False,
         suppressed: dict[int, int] | None = None,
+        tmpfs_changed: list[str] | None = None,
     ) -> Effects:
         self._flush_fresh()
         notes = list(notes or [])
+        if tmpfs_changed:
+            # seen by comparing the memory file systems' state (ebpf._tmpfs),
+            # whatever path, fd or mapping the change went through
+            for p in tmpfs_changed:
+                self._sample(self.special, "tmpfs", f"{p} (changed in memory)")
         if suppressed:
             # counted in the kernel only: all plain (rootfs) file changes
             for kind, n in sorted(suppressed.items()):

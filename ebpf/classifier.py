@@ -14,14 +14,18 @@ counts as the worst case. The decision table (documented in the README):
     a socket started listening and its process is alive     FS_PROC
     mount / umount                                          FS_PROC
     System V IPC object or POSIX message queue created      FS_PROC
-    write to /proc or /sys (kernel state) or /dev tmpfs     FS_PROC
+    write to /proc or /sys (kernel state)                   FS_PROC
+    a tmpfs changed (/dev path, or the turn-end tmpfs scan) FS_PROC
     any file-system change (write, create, delete, ...)     FS
     a package manager ran                                   FS
     none of the above                                       SKIP
 
 Writes to /dev/null, /dev/zero, ttys and /dev/pts, and to /proc/self/*, do
-not count. External effects (`Effects.external`) do not change the plan:
-no checkpoint can undo them; they are carried on the plan for the ledger.
+not count. A tmpfs change is found by the inspectors' comparison of the
+sandbox's memory file systems at each turn end (ebpf._tmpfs), whatever path,
+descriptor or mapping it went through; the path rule is a second source.
+External effects (`Effects.external`) do not change the plan: no
+checkpoint can undo them; they are carried on the plan for the ledger.
 """
 
 from __future__ import annotations

@@ -114,7 +114,9 @@ class Effects(BaseModel):
         description=(
             "writes outside the file-system snapshot: device (/dev/null, /dev/pts/*, ...: ignored), "
             "process (/proc/self/*: affects only the writer), kernel (/proc, /sys: kernel state), "
-            "tmpfs (/dev/shm and the rest of /dev: lives in memory, only a process checkpoint keeps it), "
+            "tmpfs (/dev/shm, the rest of /dev, /dev/mqueue: lives in memory, only a process checkpoint "
+            "keeps it; a write by an absolute /dev path, or a path the turn-end comparison of the "
+            "sandbox's memory file systems found changed, sampled as 'PATH (changed in memory)'), "
             "outside (under a path the watcher declared not part of the sandbox's file system: ignored)"
         ),
     )

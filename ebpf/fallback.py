@@ -3,7 +3,9 @@ change probe, producing the same `Effects` record, more coarsely.
 
 What it sees: processes alive at each turn end (new, gone, ran), listening
 inet sockets of alive processes, package managers and external tools among
-the processes alive at the end, and the paths the change probe reports.
+the processes alive at the end, the paths the change probe reports, and
+changes to the sandbox's memory file systems (/dev, /dev/shm: the tmpfs
+check of ebpf._tmpfs, the same as the BPF inspector's).
 What it cannot see: short-lived processes, their execs and connections
 (so `external_unknown` is always set), and the kind of each file change
 (everything is reported under `files["changed"]`).
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ebpf._proc import HostProcessTable, ProcessTable, ProcInfo, quiet_baseline, settled_snapshot, snapshot
+from ebpf._tmpfs import HostMemoryFs, Manifest, MemoryFs, rescan
 from ebpf._turn import DEFAULT_STATELESS, TurnRecorder, external_tool, package_manager
 from ebpf.effects import MAX_SAMPLES, Effects, ExecRecord, Sample
 from ebpf.errors import AlreadyWatched, NotWatched
@@ -46,6 +49,8 @@ class _Watched:
     stateless: frozenset[str] = DEFAULT_STATELESS
     pre_pause: dict[int, ProcInfo] | None = None
     ran: set[int] = field(default_factory=set)  # ran before crabd's last pause
+    outside: tuple[str, ...] = ()
+    tmpfs: Manifest = field(default_factory=dict)  # the memory file systems at the last turn end
 
 
 class ProcInspector:
@@ -61,8 +66,11 @@ class ProcInspector:
         clock: Callable[[], int] = time.monotonic_ns,
         max_samples: int = MAX_SAMPLES,
         settle: float = 0.2,
+        memory_fs: MemoryFs | None = None,
     ) -> None:
         self._probe = change_probe
+        # as in Inspector: with a fake process table, on only when a fake is passed
+        self._memfs = memory_fs if memory_fs is not None else HostMemoryFs() if processes is None else None
         self._settle = settle
         self._procs = processes if processes is not None else HostProcessTable()
         self._clock = clock
@@ -91,13 +99,17 @@ class ProcInspector:
         outside_paths: tuple[str, ...] = (),
         stateless_comms: frozenset[str] = DEFAULT_STATELESS,
     ) -> None:
-        """As `Inspector.watch`; `outside_paths` is unused (the change probe
-        only reports the sandbox's own file system)."""
+        """As `Inspector.watch`; `outside_paths` only keeps those mounts out
+        of the tmpfs check (the change probe reports only the sandbox's own
+        file system)."""
         with self._lock:
             if sandbox_id in self._sandboxes:
                 raise AlreadyWatched(f"sandbox {sandbox_id!r} is already watched")
             path = Path(cgroup_path)
-            self._sandboxes[sandbox_id] = _Watched(sandbox_id, path, snapshot(self._procs, path), stateless=stateless_comms)
+            w = _Watched(sandbox_id, path, snapshot(self._procs, path), stateless=stateless_comms,
+                         outside=tuple(outside_paths))
+            _, w.tmpfs = rescan(self._memfs, {}, set(w.baseline), w.outside)
+            self._sandboxes[sandbox_id] = w
         if self._probe is not None:
             self._probe(sandbox_id)  # start the probe's "since" at watch time
 
@@ -133,6 +145,7 @@ class ProcInspector:
     def end_turn(self, sandbox_id: str) -> Effects:
         w = self._get(sandbox_id)
         after = settled_snapshot(self._procs, w.cgroup_path, w.baseline, self._settle)
+        tmpfs_changed, w.tmpfs = rescan(self._memfs, w.tmpfs, set(after), w.outside)
         cut = self._clock()
         before, w.baseline = w.baseline, after
         w.turn += 1
@@ -174,4 +187,5 @@ class ProcInspector:
             listening_now=listening,
             notes=notes,
             external_unknown=True,
+            tmpfs_changed=tmpfs_changed,
         )
