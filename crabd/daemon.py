@@ -695,7 +695,7 @@ class Daemon:
                 error = e
             # The turn ends whatever happened: a timed-out command may have
             # changed files before it was killed.
-            effects = self.inspector.end_turn(row.id)
+            effects = await asyncio.to_thread(self.inspector.end_turn, row.id)  # settles, scans memory file systems
             t.last_end = time.monotonic()
             died = t.init_pid is not None and not pid_alive(t.init_pid)
             ck = await asyncio.to_thread(self._open_checkpoint, row, turn, effects, died=died, blind=t.blind)
@@ -717,7 +717,7 @@ class Daemon:
         async with t.lock:
             stall = await self._wait_capture(t)
             row = await asyncio.to_thread(self.store.get_sandbox, row.id)
-            effects = self.inspector.end_turn(row.id)
+            effects = await asyncio.to_thread(self.inspector.end_turn, row.id)  # settles, scans memory file systems
             t.last_end = time.monotonic()
             ck = await asyncio.to_thread(self._open_checkpoint, row, row.turn + 1, effects, blind=t.blind)
             t.capture = asyncio.ensure_future(self._run_capture(row.id, ck))
@@ -732,7 +732,7 @@ class Daemon:
         async with t.lock:
             await self._wait_capture(t)
             row = await asyncio.to_thread(self.store.get_sandbox, row.id)
-            effects = self.inspector.end_turn(row.id)
+            effects = await asyncio.to_thread(self.inspector.end_turn, row.id)  # settles, scans memory file systems
             self.inspector.begin_turn(row.id)
             ck = await asyncio.to_thread(self._open_checkpoint, row, row.turn, effects, manual=True, blind=t.blind)
             t.capture = asyncio.ensure_future(self._run_capture(row.id, ck))
