@@ -55,6 +55,11 @@ class DumpOptions:
     network_lock: NetworkLock = NetworkLock.AUTO
     # Seconds the whole runc checkpoint may take before it is killed.
     timeout: float = 120.0
+    # Seconds without progress (CRIU's log and image not growing) before the
+    # dump is killed, CRIU with it: a dump that cannot get on (e.g. seizing
+    # a stopped task in a frozen cgroup) stalls the turn this long, not
+    # `timeout`. CRIU logs every step at runc's level 4.
+    stall_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -81,6 +86,8 @@ class RestoreOptions:
     no_pivot: bool = False
     # Seconds the whole runc restore may take before it is killed.
     timeout: float = 120.0
+    # Seconds without progress before the restore is killed (see DumpOptions).
+    stall_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -109,9 +116,9 @@ def _validate(o: DumpOptions | RestoreOptions) -> None:
             except ValueError:
                 raise InvalidArgument(f"{f.name} {v!r} is not one of "
                                       f"{', '.join(m.value for m in enum_t)}") from None
-        elif f.name == "timeout":
+        elif f.name in ("timeout", "stall_timeout"):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise InvalidArgument(f"timeout must be a positive number of seconds, not {v!r}")
+                raise InvalidArgument(f"{f.name} must be a positive number of seconds, not {v!r}")
         elif not isinstance(v, bool):
             raise InvalidArgument(f"option {f.name} must be true or false, not {v!r}")
 

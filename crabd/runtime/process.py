@@ -32,6 +32,7 @@ the API layer to map.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -52,6 +53,8 @@ from ..errors import CommandFailed, FailedPrecondition, NotFound, SandboxNotRunn
 from ..runner import Completed, SubprocessRunner
 from .cgroups import Freezer
 from .sandbox import Runtime, Sandbox, reap
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ProcessCheckpoint", "Standby", "checkpoint_processes", "restore_processes", "rollback_processes",
            "prepare_standby", "promote_standby", "discard_standby", "list_standbys", "remove_standby_leftovers", "make_room_for_standby", "gc_scratch",
@@ -139,6 +142,8 @@ def checkpoint_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, check
     _check_init_stdio(sb, init_pid)
     freezer = Freezer(rt.layout, sb.cgroup_rel)
     was_frozen = freezer.state() == "FROZEN"
+    if freezer.v1 and not was_frozen:
+        _check_not_stopped(sb, freezer.dir / "cgroup.procs")
     runc = _runc(rt)
     work = _scratch(store, "dump-", _rss_bytes(freezer.dir / "cgroup.procs"))
     img, logs = work / "image", work / "work"
@@ -157,6 +162,8 @@ def checkpoint_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, check
                 shutil.copyfile(e.log_path, kept / "dump.log")
                 e.log_path = str(kept / "dump.log")
             raise
+        finally:
+            _check_thawed(sb, freezer, was_frozen)
         t = time.monotonic()
         m = store.put(checkpoint_id, img, logs=[logs / "dump.log"],
                       meta={"sandbox_id": sb.id, "options": opts.to_dict(), "kind": "criu-runc"})
@@ -236,6 +243,51 @@ def _check_init_stdio(sb: Sandbox, init_pid: int | None) -> None:
             raise FailedPrecondition(
                 f"the init of sandbox {sb.id} holds {target} (fd {fd}), a host file CRIU cannot dump",
                 fix="start sandboxes with Runtime(runner=CheckpointableRunner()) so the init's output is a pipe")
+
+
+# Why a stopped task cannot be dumped on a cgroup v1 host, for the reasons of
+# the checkpoint (measured: the dump hung until killed, test_criu_conformance).
+STOPPED_TASK_LIMIT = (
+    "host limit: this host's cgroup v1 freezer and ptrace cannot seize a stopped task: runc always has CRIU "
+    "freeze the sandbox's freezer cgroup, and PTRACE_SEIZE of a task in group stop waits for the task to leave "
+    "the stop, which a frozen task never does (the kernel loses the wake-up; CRIU hangs, upstream: all its "
+    "stopped* tests fail with --freeze-cgroup, criu PR #1905)")
+
+
+def _check_not_stopped(sb: Sandbox, procs_file: Path) -> None:
+    """Refuse, before freezing, a dump CRIU would hang in: a task stopped by
+    SIGSTOP/SIGTSTP/SIGTTIN/SIGTTOU (state T) on a cgroup v1 freezer."""
+    stopped = []
+    try:
+        pids = [int(x) for x in procs_file.read_text().split()]
+    except OSError:
+        return
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        if data[data.rindex(b")") + 2:][:1] == b"T":
+            stopped.append(f"{pid} ({data[data.index(b'(') + 1:data.rindex(b')')].decode(errors='replace')})")
+    if stopped:
+        raise FailedPrecondition(f"sandbox {sb.id} has stopped tasks: {', '.join(stopped[:8])}; {STOPPED_TASK_LIMIT}",
+                                 fix="let stopped tasks continue (SIGCONT) before the turn ends to have the "
+                                     "processes checkpointed, or run crabd on a cgroup v2 host")
+
+
+def _check_thawed(sb: Sandbox, freezer: Freezer, was_frozen: bool) -> None:
+    """After a dump, failed or not, the sandbox is as frozen as it was
+    before: a CRIU left behind could re-freeze it (it restores the freezer
+    state it found), so look, and thaw again if needed."""
+    if was_frozen:
+        return
+    try:
+        if freezer.state() != "THAWED":
+            log.warning("sandbox %s was left %s after a dump; thawing it", sb.id, freezer.state())
+            freezer.thaw()
+    except FileNotFoundError:
+        pass  # the sandbox is gone
 
 
 def _check_tree(sb: Sandbox, procs_file: Path, init_pid: int | None) -> None:

@@ -355,7 +355,10 @@ class Runtime:
         for e in full_env:
             rargv += ["--env", e]
         rargv += [sb.id, INIT_PATH, "--run", f"{RUN_PATH}/{fifo.name}", "--", *argv]
-        data = stdin.encode() if isinstance(stdin, str) else stdin
+        # No stdin: an empty pipe (end of file at once), never the host's
+        # /dev/null: a command that daemonizes keeps its stdin, and CRIU cannot
+        # dump a file of a mount outside the sandbox ("Can't lookup mount").
+        data = stdin.encode() if isinstance(stdin, str) else (b"" if stdin is None else stdin)
 
         def kill_tree() -> None:
             _kill_tree_from_pidfile(pidfile)
