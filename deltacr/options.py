@@ -65,6 +65,21 @@ class DumpOptions:
         _validate(self)
 
     @classmethod
+    def for_private_netns(cls, tcp_connections: bool, **kw: Any) -> "DumpOptions":
+        """What a sandbox in a network namespace of its own (loopback only)
+        needs: every TCP connection there has both ends in the sandbox, so
+        dumping established ones is exact (CRIU repairs both ends on
+        restore); file locks and leases are dumped (SQLite, pip, apt and
+        servers hold them). The network is locked only while there are TCP
+        connections to protect (`tcp_connections`, a runtime fact the caller
+        reads): a lock costs CRIU an iptables-restore on each side of the
+        dump and of the restore. A connection to a peer outside the sandbox
+        (a sandbox given a shared network namespace) would be dumped too, but
+        on restore the peer has moved on: it sees a reset or a stale stream."""
+        lock = NetworkLock.LOCK if tcp_connections else NetworkLock.SKIP
+        return cls(**{"tcp_established": True, "file_locks": True, "network_lock": lock, **kw})
+
+    @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "DumpOptions":
         return _from_dict(cls, d)
 

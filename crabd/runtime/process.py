@@ -127,9 +127,11 @@ def _running(rt: Runtime, ref: str) -> Sandbox:
 # --- checkpoint / restore ------------------------------------------------------------------------
 def checkpoint_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, checkpoint_id: str,
                          fs_commit: Callable[[], Any] | None = None,
-                         opts: DumpOptions = DumpOptions()) -> ProcessCheckpoint:
+                         opts: DumpOptions | None = None) -> ProcessCheckpoint:
     """Dump the sandbox's processes into `store` as `checkpoint_id`, the
     sandbox frozen from the start of `fs_commit` until the dump is done.
+    Options: DumpOptions.for_private_netns (TCP connections, file locks and
+    leases dumped) unless `opts` says otherwise.
 
     On a CRIU refusal raises deltacr.CriuFailed (CRIU's reasons, the log kept
     in store.log_dir(checkpoint_id)); the sandbox keeps running as it was.
@@ -144,6 +146,8 @@ def checkpoint_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, check
     was_frozen = freezer.state() == "FROZEN"
     if freezer.v1 and not was_frozen:
         _check_not_stopped(sb, freezer.dir / "cgroup.procs")
+    if opts is None:
+        opts = DumpOptions.for_private_netns(tcp_connections=_tcp_connected(init_pid))
     runc = _runc(rt)
     work = _scratch(store, "dump-", _rss_bytes(freezer.dir / "cgroup.procs"))
     img, logs = work / "image", work / "work"
@@ -274,6 +278,20 @@ def _check_not_stopped(sb: Sandbox, procs_file: Path) -> None:
         raise FailedPrecondition(f"sandbox {sb.id} has stopped tasks: {', '.join(stopped[:8])}; {STOPPED_TASK_LIMIT}",
                                  fix="let stopped tasks continue (SIGCONT) before the turn ends to have the "
                                      "processes checkpointed, or run crabd on a cgroup v2 host")
+
+
+def _tcp_connected(pid: int | None) -> bool:
+    """Has the network namespace of `pid` a TCP socket that is neither
+    listening nor closed (/proc/PID/net/tcp{,6}, column `st`)?"""
+    for name in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{name}") as f:
+                next(f, None)
+                if any(ln.split()[3] not in ("0A", "07") for ln in f if len(ln.split()) > 3):
+                    return True
+        except OSError:
+            return True  # cannot tell: lock, the safe side
+    return False
 
 
 def _check_thawed(sb: Sandbox, freezer: Freezer, was_frozen: bool) -> None:
