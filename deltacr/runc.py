@@ -322,7 +322,7 @@ class Runc:
             what += f" (killed with CRIU at its timeout, {res.duration:.0f} s)"
         text = _read_log(log)
         errors, context = criu_errors(text)
-        if res.killed and not errors and text.strip():
+        if res.returncode is None and not errors and text.strip():
             errors = [f"CRIU's last log line: {text.strip().splitlines()[-1].strip()}"]
         if not errors and not log.exists():
             raise CommandFailed(res.argv, -9 if res.returncode is None else res.returncode, output, context=what)
