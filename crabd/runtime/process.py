@@ -250,7 +250,8 @@ def _check_init_stdio(sb: Sandbox, init_pid: int | None) -> None:
 
 
 # Why a stopped task cannot be dumped on a cgroup v1 host, for the reasons of
-# the checkpoint (measured: the dump hung until killed, test_criu_conformance).
+# the checkpoint and `crabd doctor` (seen here: CRIU 4.1.1's log ends at the
+# SEIZE of the task before the stopped one, and the dump never returns).
 STOPPED_TASK_LIMIT = (
     "host limit: this host's cgroup v1 freezer and ptrace cannot seize a stopped task: runc always has CRIU "
     "freeze the sandbox's freezer cgroup, and PTRACE_SEIZE of a task in group stop waits for the task to leave "
@@ -277,7 +278,7 @@ def _check_not_stopped(sb: Sandbox, procs_file: Path) -> None:
     if stopped:
         raise FailedPrecondition(f"sandbox {sb.id} has stopped tasks: {', '.join(stopped[:8])}; {STOPPED_TASK_LIMIT}",
                                  fix="let stopped tasks continue (SIGCONT) before the turn ends to have the "
-                                     "processes checkpointed, or run crabd on a cgroup v2 host")
+                                     "processes checkpointed")
 
 
 def _tcp_connected(pid: int | None) -> bool:

@@ -108,7 +108,7 @@ def _start(c, sid: str, body: str, env: dict | None = None) -> dict:
 def _roundtrip(c, sid: str, body: str, env: dict | None = None) -> str:
     """Checkpoint with the program running, kill it, roll back: its verdict."""
     ck = _start(c, sid, body, env)
-    assert ck["state"] == "committed" and ck["proc_image"], ck
+    assert ck["state"] == "committed" and ck["proc_image"], ck["reasons"]
     assert not [x for x in ck["reasons"] if "process image not captured" in x], ck["reasons"]
     assert c.exec(sid, "kill -9 $(cat /tmp/pid); rm /tmp/ready")["exit_code"] == 0
     out = c.rollback(sid, ck["id"])

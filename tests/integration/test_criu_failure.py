@@ -70,7 +70,9 @@ def _committed(c, cid: str) -> dict:
     return wait_until(settled, f"settled checkpoint {cid}", interval=0.2)
 
 
-def test_criu_fails_mid_dump_and_mid_restore(start_daemon, tmp_path):
+def _wrapped_daemon(start_daemon, tmp_path):
+    """A daemon (capture full, /proc inspector) whose runc runs the wrapper
+    as CRIU; returns its client and the wrapper's control file."""
     real = shutil.which("criu")
     assert real, "criu missing: run scripts/setup-host"
     ctrl = tmp_path / "criu.mode"
@@ -81,7 +83,11 @@ def test_criu_fails_mid_dump_and_mid_restore(start_daemon, tmp_path):
     cfg = tmp_path / "config.toml"
     cfg.write_text('capture = "full"\n')
     d = start_daemon(args=["--config", str(cfg)], env={"CRABD_CRIU": str(wrapper), "CRABD_INSPECTOR": "proc"})
-    c = d.client()
+    return d.client(), ctrl
+
+
+def test_criu_fails_mid_dump_and_mid_restore(start_daemon, tmp_path):
+    c, ctrl = _wrapped_daemon(start_daemon, tmp_path)
     sid = c.create_sandbox("busybox")["id"]
     c.exec(sid, "setsid sh -c 'while :; do sleep 0.2; done' >/dev/null 2>&1 </dev/null &")
     assert "while" in c.exec(sid, "ps -o args")["stdout"], "the background loop did not start"
@@ -130,20 +136,6 @@ def test_criu_fails_mid_dump_and_mid_restore(start_daemon, tmp_path):
     assert states.get(ck_good["id"]) == "committed"
     assert c.exec(sid, "echo after > /root/g && cat /root/g")["stdout"].strip() == "after"
     Path(ctrl).unlink()
-
-
-def _wrapped_daemon(start_daemon, tmp_path):
-    real = shutil.which("criu")
-    assert real, "criu missing: run scripts/setup-host"
-    ctrl = tmp_path / "criu.mode"
-    ctrl.write_text("")
-    wrapper = tmp_path / "criu-wrapper"
-    wrapper.write_text(WRAPPER.replace("{real}", real).replace("{ctrl}", str(ctrl)))
-    wrapper.chmod(0o755)
-    cfg = tmp_path / "config.toml"
-    cfg.write_text('capture = "full"\n')
-    d = start_daemon(args=["--config", str(cfg)], env={"CRABD_CRIU": str(wrapper), "CRABD_INSPECTOR": "proc"})
-    return d.client(), ctrl
 
 
 def _gone(pid: int) -> bool:
