@@ -183,8 +183,11 @@ def check_criu_stopped_tasks(state_dir: Path) -> Check:
     if lay.v1_freezer is None:
         return Check("criu-stopped-tasks", OK, "cgroup v2 freezer: the v1 freezer's hang seizing stopped (SIGSTOP) "
                      "tasks does not apply (not verified on a v2 host)")
-    return Check("criu-stopped-tasks", WARN,
-                 f"a sandbox with a stopped (SIGSTOP/SIGTSTP) task gets files-only checkpoints: {STOPPED_TASK_LIMIT}",
+    # ok, not warn: a property of the host that no setup step changes; the
+    # checkpoint of such a sandbox says why it holds files only.
+    return Check("criu-stopped-tasks", OK,
+                 f"host property: a sandbox with a stopped (SIGSTOP/SIGTSTP) task gets files-only checkpoints: "
+                 f"{STOPPED_TASK_LIMIT}",
                  "SIGCONT stopped tasks before a turn ends; a host with cgroup v2 only may not have this limit "
                  "(not verified)")
 
@@ -195,7 +198,7 @@ def check_criu_rlimits(state_dir: Path) -> Check:
     from deltacr.compat import has_cap_sys_resource
     if has_cap_sys_resource():
         return Check("criu-rlimits", OK, "CAP_SYS_RESOURCE: CRIU reads every task's rlimits itself")
-    detail = ("no CAP_SYS_RESOURCE on this host: CRIU's prlimit() of a task of another user (www-data, nobody) is "
+    detail = ("host property: no CAP_SYS_RESOURCE on this host: CRIU's prlimit() of a task of another user (www-data, nobody) is "
               "refused; crabd runs CRIU with deltacr's shim, which reads those rlimits from /proc/PID/limits")
     if shutil.which("cc") or shutil.which("gcc"):
         return Check("criu-rlimits", OK, detail + " (C compiler present to build it)")
