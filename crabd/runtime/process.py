@@ -157,8 +157,10 @@ def checkpoint_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, check
         return runc.checkpoint(sb.id, img, logs, opts)
 
     try:
+        dumped = False
         try:
             cap = capture_consistent(freezer.freeze, (lambda: None) if was_frozen else freezer.thaw, dump, fs_commit)
+            dumped = True
         except CriuFailed as e:
             kept = store.log_dir(checkpoint_id)
             kept.mkdir(parents=True, exist_ok=True)
@@ -167,6 +169,8 @@ def checkpoint_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, check
                 e.log_path = str(kept / "dump.log")
             raise
         finally:
+            if not dumped:
+                _unlock_network(sb, init_pid)
             _check_thawed(sb, freezer, was_frozen)
         t = time.monotonic()
         m = store.put(checkpoint_id, img, logs=[logs / "dump.log"],
@@ -293,6 +297,28 @@ def _tcp_connected(pid: int | None) -> bool:
         except OSError:
             return True  # cannot tell: lock, the safe side
     return False
+
+
+def _unlock_network(sb: Sandbox, pid: int | None) -> None:
+    """Remove CRIU's network lock from the sandbox's network namespace if a
+    dump left it there: CRIU unlocks on every failure it survives, but one
+    killed (stalled, timed out) after locking leaves its `CRIU` chain, which
+    drops every packet on the sandbox's loopback. The same rules CRIU's own
+    unlock deletes (criu/net.c), IPv4 and IPv6; nothing when there is no
+    such chain (one `iptables -C` each)."""
+    for tool in ("iptables", "ip6tables"):
+        exe, nsenter = shutil.which(tool), shutil.which("nsenter")
+        if not exe or not nsenter or not pid:
+            continue
+        enter = [nsenter, "-t", str(pid), "-n", exe, "-w", "5"]
+        try:
+            if subprocess.run(enter + ["-C", "INPUT", "-j", "CRIU"], capture_output=True, timeout=15).returncode:
+                continue
+            log.warning("removing CRIU's network lock left in sandbox %s (%s)", sb.id, tool)
+            for rule in (["-D", "INPUT", "-j", "CRIU"], ["-D", "OUTPUT", "-j", "CRIU"], ["-F", "CRIU"], ["-X", "CRIU"]):
+                subprocess.run(enter + rule, capture_output=True, timeout=15)
+        except (OSError, subprocess.TimeoutExpired):
+            log.warning("could not check %s for CRIU's network lock in sandbox %s", tool, sb.id, exc_info=True)
 
 
 def _check_thawed(sb: Sandbox, freezer: Freezer, was_frozen: bool) -> None:

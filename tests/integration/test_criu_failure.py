@@ -14,7 +14,8 @@ A second test runs the "hangs" mode (the wrapper sleeps instead of running
 CRIU, as CRIU does when it cannot seize a task): the dump is killed once its
 log stops growing (DumpOptions.stall_timeout, 10 s), CRIU with runc, the
 sandbox thawed, the reason in the checkpoint; a hung restore falls back to a
-fresh init the same way.
+fresh init the same way. CRIU's network lock, if the killed dump had taken
+it, is removed from the sandbox's namespace.
 
 The wrapper refuses every hot-standby restore, so each rollback runs a
 CRIU restore of its own. The daemon runs with the /proc inspector (which never plans FS_PROC) in
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 from crabd.testing import wait_until
@@ -153,7 +155,11 @@ def test_criu_that_hangs_is_killed_and_the_sandbox_thawed(start_daemon, tmp_path
     good = _committed(c, c.exec(sid, "echo one > /root/f")["checkpoint"])
     assert good["proc_image"], good
 
-    # a dump that cannot make progress
+    # a dump that cannot make progress, killed after it locked the network
+    # (CRIU's own lock rules, criu/net.c, put in the sandbox's namespace here)
+    netns = ["nsenter", "-t", str(c.sandbox(sid)["pid"]), "-n"]
+    lock = "*filter\n:CRIU - [0:0]\n-I INPUT -j CRIU\n-I OUTPUT -j CRIU\n-A CRIU -j DROP\nCOMMIT\n"
+    subprocess.run(netns + ["iptables-restore", "-n"], input=lock.encode(), check=True, timeout=30)
     ctrl.write_text("dump-hang")
     ck = _committed(c, c.exec(sid, "echo two > /root/f")["checkpoint"])
     ctrl.write_text("")
@@ -164,6 +170,8 @@ def test_criu_that_hangs_is_killed_and_the_sandbox_thawed(start_daemon, tmp_path
     assert why and "killed with CRIU" in why[0] and "stopped growing" in why[0], ck["reasons"]
     assert wait_until(lambda: _gone(hung), f"the hung CRIU {hung} to be gone", timeout=10)
     assert freezer.read_text().strip() == "THAWED"
+    assert subprocess.run(netns + ["iptables", "-C", "INPUT", "-j", "CRIU"], capture_output=True,
+                          timeout=30).returncode != 0, "CRIU's network lock was left in the sandbox"
     assert c.exec(sid, "cat /root/f")["stdout"].strip() == "two"
     assert "while" in c.exec(sid, "ps -o args")["stdout"], "the background loop died"
 
