@@ -286,17 +286,23 @@ def _check_not_stopped(sb: Sandbox, procs_file: Path) -> None:
 
 
 def _tcp_connected(pid: int | None) -> bool:
-    """Has the network namespace of `pid` a TCP socket that is neither
-    listening nor closed (/proc/PID/net/tcp{,6}, column `st`)?"""
+    """Has the network namespace of `pid` a TCP socket that a process holds
+    (inode not 0: TIME_WAIT and orphaned sockets are not dumped) and that is
+    neither listening nor closed (/proc/PID/net/tcp{,6}, columns `st`, `inode`)?"""
     for name in ("tcp", "tcp6"):
         try:
             with open(f"/proc/{pid}/net/{name}") as f:
-                next(f, None)
-                if any(ln.split()[3] not in ("0A", "07") for ln in f if len(ln.split()) > 3):
+                if tcp_table_connected(f.read()):
                     return True
         except OSError:
             return True  # cannot tell: lock, the safe side
     return False
+
+
+def tcp_table_connected(table: str) -> bool:
+    """The test of _tcp_connected on the text of one /proc/net/tcp table. Pure."""
+    rows = (ln.split() for ln in table.splitlines()[1:])
+    return any(len(r) > 9 and r[3] not in ("0A", "07") and r[9] != "0" for r in rows)
 
 
 def _unlock_network(sb: Sandbox, pid: int | None) -> None:
