@@ -176,6 +176,45 @@ def check_criu(state_dir: Path) -> Check:
     return Check("criu", OK, f"CRIU {ver} ({exe}); criu check passes")
 
 
+def check_criu_stopped_tasks(state_dir: Path) -> Check:
+    """A host property: on a cgroup v1 freezer, a stopped task cannot be dumped."""
+    from .runtime.process import STOPPED_TASK_LIMIT
+    lay = detect_layout()
+    if lay.v1_freezer is None:
+        return Check("criu-stopped-tasks", OK, "cgroup v2 freezer: the v1 freezer's hang seizing stopped (SIGSTOP) "
+                     "tasks does not apply (not verified on a v2 host)")
+    # ok, not warn: a property of the host that no setup step changes; the
+    # checkpoint of such a sandbox says why it holds files only.
+    return Check("criu-stopped-tasks", OK,
+                 f"host property: a sandbox with a stopped (SIGSTOP/SIGTSTP) task gets files-only checkpoints: "
+                 f"{STOPPED_TASK_LIMIT}",
+                 "SIGCONT stopped tasks before a turn ends; a host with cgroup v2 only may not have this limit "
+                 "(not verified)")
+
+
+def check_criu_rlimits(state_dir: Path) -> Check:
+    """A host property: without CAP_SYS_RESOURCE CRIU cannot prlimit() another
+    user's task; deltacr's shim reads /proc/PID/limits instead."""
+    from deltacr.compat import has_cap_sys_resource
+    if has_cap_sys_resource():
+        return Check("criu-rlimits", OK, "CAP_SYS_RESOURCE: CRIU reads every task's rlimits itself")
+    detail = ("host property: no CAP_SYS_RESOURCE on this host: CRIU's prlimit() of a task of another user (www-data, nobody) is "
+              "refused; crabd runs CRIU with deltacr's shim, which reads those rlimits from /proc/PID/limits")
+    if shutil.which("cc") or shutil.which("gcc"):
+        return Check("criu-rlimits", OK, detail + " (C compiler present to build it)")
+    return Check("criu-rlimits", FAIL, detail + ", and no C compiler is installed to build the shim: processes of "
+                 "other users cannot be checkpointed", "apt-get install gcc libc6-dev")
+
+
+def check_restore_loopback(state_dir: Path) -> Check:
+    missing = [t for t in ("sh", "nsenter", "ip") if not shutil.which(t)]
+    if not missing:
+        return Check("restore-loopback", OK, "sandboxes get a createRuntime hook that brings lo up before CRIU "
+                     "restores their sockets (sh, nsenter, ip)")
+    return Check("restore-loopback", WARN, f"{', '.join(missing)} not found: lo comes up only after a restore, so "
+                 "sockets bound or connected to 127.0.0.1 cannot be restored", "apt-get install iproute2 util-linux")
+
+
 def check_runc(state_dir: Path) -> Check:
     exe = shutil.which(config.runc_binary())
     if exe is None:
@@ -259,7 +298,7 @@ def _fstype(path: Path) -> str:
 
 CHECKS: list[Callable[[Path], Check]] = [
     check_root, check_kernel, check_overlayfs, check_btrfs, check_xfs_reflink, check_freezer, check_unified,
-    check_criu, check_runc, check_bpf, check_tracefs, check_docker, check_space,
+    check_criu, check_criu_stopped_tasks, check_criu_rlimits, check_restore_loopback, check_runc, check_bpf, check_tracefs, check_docker, check_space,
 ]
 
 

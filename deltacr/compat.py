@@ -7,6 +7,11 @@ combination is found, `host_criu` builds a tiny LD_PRELOAD shim
 (criu_sockopt_shim.c, next to this file) and a wrapper script that runs
 CRIU with it; runc is pointed at the wrapper with `runc --criu`. With
 CRIU >= 4.2, or an older kernel, CRIU is used as it is.
+
+The same shim reads a dumped task's rlimits from /proc/PID/limits where
+the host refuses CRIU's prlimit64 of them: a task of another user, on a
+host without CAP_SYS_RESOURCE (see the shim's source). So the wrapper is
+also used wherever crabd runs without that capability.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ from pathlib import Path
 from .errors import CriuUnavailable
 from .runc import CommandRunner, SubprocessCommandRunner, check_criu
 
-__all__ = ["host_criu", "needs_sockopt_shim"]
+__all__ = ["host_criu", "needs_sockopt_shim", "has_cap_sys_resource", "CAP_SYS_RESOURCE"]
+
+CAP_SYS_RESOURCE = 24
 
 _SHIM_SRC = Path(__file__).with_name("criu_sockopt_shim.c")
 _lock = threading.Lock()
@@ -35,6 +42,16 @@ def needs_sockopt_shim(criu_version: tuple[int, ...], kernel_release: str) -> bo
     m = re.match(r"(\d+)\.(\d+)", kernel_release)
     kernel = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
     return kernel >= (6, 16) and tuple(criu_version[:2]) < (4, 2)
+
+
+def has_cap_sys_resource(status_text: str | None = None) -> bool:
+    """Has this process CAP_SYS_RESOURCE in its effective set? (`status_text`:
+    a /proc/PID/status to read instead of our own.)"""
+    if status_text is None:
+        with open("/proc/self/status") as f:
+            status_text = f.read()
+    m = re.search(r"^CapEff:\s*([0-9a-fA-F]+)", status_text, re.M)
+    return bool(m) and bool(int(m.group(1), 16) >> CAP_SYS_RESOURCE & 1)  # type: ignore[union-attr]
 
 
 def host_criu(cache_dir: str | os.PathLike[str], criu: str = "criu",
@@ -52,7 +69,7 @@ def host_criu(cache_dir: str | os.PathLike[str], criu: str = "criu",
             if key in _cache:
                 return _cache[key]
         info = check_criu(runner or SubprocessCommandRunner(), criu)
-        if not needs_sockopt_shim(info.version, platform.release()):
+        if not needs_sockopt_shim(info.version, platform.release()) and has_cap_sys_resource():
             result = criu
         else:
             result = _build_wrapper(Path(cache_dir), criu)
@@ -88,7 +105,7 @@ def _build_wrapper(d: Path, criu: str) -> str:
                                   missing=["a working C compiler"], fix="apt-get install gcc libc6-dev")
         os.replace(tmp, so)
         stamp.write_bytes(src)
-    text = f'#!/bin/sh\n# deltacr: CRIU with the SO_PASSCRED shim (see deltacr/compat.py)\nLD_PRELOAD="{so}" exec "{real}" "$@"\n'
+    text = f'#!/bin/sh\n# deltacr: CRIU with the SO_PASSCRED and rlimit shim (see deltacr/compat.py)\nLD_PRELOAD="{so}" exec "{real}" "$@"\n'
     if not wrapper.exists() or wrapper.read_text() != text:
         tmpw = wrapper.with_suffix(".tmp")
         tmpw.write_text(text)

@@ -55,9 +55,29 @@ class DumpOptions:
     network_lock: NetworkLock = NetworkLock.AUTO
     # Seconds the whole runc checkpoint may take before it is killed.
     timeout: float = 120.0
+    # Seconds without progress (CRIU's log and image not growing) before the
+    # dump is killed, CRIU with it: a dump that cannot get on (e.g. seizing
+    # a stopped task in a frozen cgroup) stalls the turn this long, not
+    # `timeout`. CRIU logs every step at runc's level 4.
+    stall_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         _validate(self)
+
+    @classmethod
+    def for_private_netns(cls, tcp_connections: bool, **kw: Any) -> "DumpOptions":
+        """What a sandbox in a network namespace of its own (loopback only)
+        needs: every TCP connection there has both ends in the sandbox, so
+        dumping established ones is exact (CRIU repairs both ends on
+        restore); file locks and leases are dumped (SQLite, pip, apt and
+        servers hold them). The network is locked only while there are TCP
+        connections to protect (`tcp_connections`, a runtime fact the caller
+        reads): a lock costs CRIU an iptables-restore on each side of the
+        dump and of the restore. A connection to a peer outside the sandbox
+        (a sandbox given a shared network namespace) would be dumped too, but
+        on restore the peer has moved on: it sees a reset or a stale stream."""
+        lock = NetworkLock.LOCK if tcp_connections else NetworkLock.SKIP
+        return cls(**{"tcp_established": True, "file_locks": True, "network_lock": lock, **kw})
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "DumpOptions":
@@ -81,6 +101,8 @@ class RestoreOptions:
     no_pivot: bool = False
     # Seconds the whole runc restore may take before it is killed.
     timeout: float = 120.0
+    # Seconds without progress before the restore is killed (see DumpOptions).
+    stall_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -109,9 +131,9 @@ def _validate(o: DumpOptions | RestoreOptions) -> None:
             except ValueError:
                 raise InvalidArgument(f"{f.name} {v!r} is not one of "
                                       f"{', '.join(m.value for m in enum_t)}") from None
-        elif f.name == "timeout":
+        elif f.name in ("timeout", "stall_timeout"):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise InvalidArgument(f"timeout must be a positive number of seconds, not {v!r}")
+                raise InvalidArgument(f"{f.name} must be a positive number of seconds, not {v!r}")
         elif not isinstance(v, bool):
             raise InvalidArgument(f"option {f.name} must be true or false, not {v!r}")
 

@@ -9,6 +9,16 @@ in the work directory (the image store keeps it next to the image).
 Why a runner of our own and not `subprocess.run`: a restored sandbox init
 inherits `runc restore`'s stdout/stderr when its dumped ones were pipes, so
 the pipe never reaches end of file; we read until runc itself exits.
+
+A dump or restore that stops making progress is killed, CRIU with it:
+runc runs in a session of its own, and CRIU (runc's child) is in it; killing
+only runc would leave CRIU running -- still holding the sandbox's tasks
+under ptrace, and putting the freezer back to the state it found once it
+wakes up. "Progress" is CRIU's log or image growing: runc runs CRIU at log
+level 4, which logs every step, so `stall` seconds (10 by default) without
+a new byte means CRIU waits on something that will not come, e.g. the
+kernel's PTRACE_SEIZE of a stopped task in a frozen cgroup. The
+whole-command `timeout` (120 s) stays as the outer bound.
 """
 
 from __future__ import annotations
@@ -22,14 +32,14 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
 from .errors import CommandFailed, CriuFailed, CriuUnavailable
 from .netns import loopback_up
 from .options import DumpOptions, RestoreOptions, checkpoint_argv, config_lines, required_features, restore_argv
 
 __all__ = ["Result", "CommandRunner", "SubprocessCommandRunner", "CriuInfo", "check_criu", "criu_errors",
-           "Runc", "MIN_CRIU_VERSION"]
+           "Runc", "MIN_CRIU_VERSION", "kill_session"]
 
 MIN_CRIU_VERSION = (3, 17)  # leave-stopped through a config file, cgroup v1 freezer handling
 # Logged on every CRIU run on these hosts (setrlimit is refused) and never the cause.
@@ -40,13 +50,15 @@ _ERROR = re.compile(r"\bError \(")
 @dataclass(frozen=True)
 class Result:
     argv: list[str]
-    returncode: int | None   # None: killed at its timeout
+    returncode: int | None   # None: killed (see `killed`)
     output: bytes            # stdout and stderr, interleaved
     duration: float
+    killed: str = ""         # why it was killed: "timeout" or "stalled"
 
 
 class CommandRunner(Protocol):
-    def run(self, argv: list[str], *, timeout: float, env: dict[str, str] | None = None) -> Result: ...
+    def run(self, argv: list[str], *, timeout: float, env: dict[str, str] | None = None,
+            progress: Callable[[], int] | None = None, stall: float | None = None) -> Result: ...
 
 
 class SubprocessCommandRunner:
@@ -54,13 +66,18 @@ class SubprocessCommandRunner:
     when the command exits (not when the pipe closes, see module doc)."""
 
     MAX_OUTPUT = 1 << 20
+    PROGRESS_EVERY = 0.5  # seconds between two `progress()` readings
 
-    def run(self, argv: list[str], *, timeout: float, env: dict[str, str] | None = None) -> Result:
-        """`env`: variables added to this process's environment."""
+    def run(self, argv: list[str], *, timeout: float, env: dict[str, str] | None = None,
+            progress: Callable[[], int] | None = None, stall: float | None = None) -> Result:
+        """`env`: variables added to this process's environment. With
+        `progress` (a number that grows while the command gets on, e.g. the
+        bytes of its log) and `stall`: killed once the number has not changed
+        for `stall` seconds. Killed means the command's whole session."""
         start = time.monotonic()
         try:
             p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 env={**os.environ, **env} if env else None)
+                                 env={**os.environ, **env} if env else None, start_new_session=True)
         except FileNotFoundError as e:
             raise CommandFailed(argv, 127, str(e), context=f"running {argv[0]}") from e
         assert p.stdout is not None
@@ -69,14 +86,24 @@ class SubprocessCommandRunner:
         out = bytearray()
         sel = selectors.DefaultSelector()
         sel.register(fd, selectors.EVENT_READ)
-        timed_out = False
+        killed = ""
         open_ = True
+        seen, seen_at, checked_at = (progress() if progress else 0), start, start
         try:
             while True:
                 exited = p.poll() is not None
-                if not exited and time.monotonic() - start > timeout:
-                    timed_out = True
-                    p.send_signal(signal.SIGKILL)
+                now = time.monotonic()
+                if not exited and progress is not None and stall is not None and now - checked_at >= self.PROGRESS_EVERY:
+                    checked_at = now
+                    cur = progress()
+                    if cur != seen:
+                        seen, seen_at = cur, now
+                    elif now - seen_at > stall:
+                        killed = "stalled"
+                if not exited and not killed and now - start > timeout:
+                    killed = "timeout"
+                if killed:
+                    kill_session(p.pid)
                     p.wait()
                     break
                 if open_:
@@ -101,7 +128,51 @@ class SubprocessCommandRunner:
             sel.close()
             p.stdout.close()
         rc = p.wait()
-        return Result(list(argv), None if timed_out else rc, bytes(out), time.monotonic() - start)
+        return Result(list(argv), None if killed else rc, bytes(out), time.monotonic() - start, killed)
+
+
+def _session_members(sid: int) -> list[int]:
+    """Pids whose session or process group is `sid` (from /proc)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        fields = data[data.rindex(b")") + 2:].split()
+        # fields[0] is the state, [2] the process group, [3] the session
+        if fields[0] not in (b"Z", b"X") and sid in (int(fields[2]), int(fields[3])):
+            out.append(int(d))
+    return out
+
+
+def kill_session(sid: int, wait: float = 5.0) -> list[int]:
+    """SIGKILL every process of session `sid` (a command started with
+    start_new_session, and CRIU under it) until none is left or `wait`
+    seconds pass; reap those that are our children (crabd is a child
+    subreaper: a CRIU whose runc died is re-parented to it). Returns the
+    pids still alive (none, normally)."""
+    deadline = time.monotonic() + wait
+    while True:
+        pids = _session_members(sid)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for pid in pids:
+            if pid == sid:
+                continue  # the command itself: its Popen waits for it
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+        if not pids or time.monotonic() > deadline:
+            return pids
+        time.sleep(0.01)
 
 
 @dataclass(frozen=True)
@@ -204,7 +275,8 @@ class Runc:
         os.makedirs(image_dir, exist_ok=True)
         os.makedirs(work_dir, exist_ok=True)
         argv = checkpoint_argv(self.runc, self.root, container_id, str(image_dir), str(work_dir), opts, self.criu)
-        res = self.runner.run(argv, timeout=opts.timeout, env=_criu_env(work_dir, opts))
+        res = self.runner.run(argv, timeout=opts.timeout, env=_criu_env(work_dir, opts),
+                              progress=lambda: _bytes_in(image_dir, work_dir), stall=opts.stall_timeout)
         if res.returncode != 0:
             self._fail(f"dump of container {container_id}", res, Path(work_dir) / "dump.log")
         return res.duration
@@ -220,7 +292,8 @@ class Runc:
         pid_file.unlink(missing_ok=True)
         argv = restore_argv(self.runc, self.root, container_id, str(bundle), str(image_dir), str(work_dir),
                             str(pid_file), opts, self.criu)
-        res = self.runner.run(argv, timeout=opts.timeout, env=_criu_env(work_dir, opts))
+        res = self.runner.run(argv, timeout=opts.timeout, env=_criu_env(work_dir, opts),
+                              progress=lambda: _bytes_in(work_dir), stall=opts.stall_timeout)
         if res.returncode != 0:
             self._fail(f"restore of container {container_id}", res, Path(work_dir) / "restore.log")
         try:
@@ -243,12 +316,34 @@ class Runc:
 
     def _fail(self, what: str, res: Result, log: Path) -> None:
         output = res.output.decode(errors="replace")
-        if res.returncode is None:
-            output += "\n(killed at its timeout)"
-        errors, context = criu_errors(_read_log(log))
+        if res.killed == "stalled":
+            what += f" (killed with CRIU after {res.duration:.0f} s: its log and image had stopped growing)"
+        elif res.returncode is None:
+            what += f" (killed with CRIU at its timeout, {res.duration:.0f} s)"
+        text = _read_log(log)
+        errors, context = criu_errors(text)
+        if res.returncode is None and not errors and text.strip():
+            errors = [f"CRIU's last log line: {text.strip().splitlines()[-1].strip()}"]
         if not errors and not log.exists():
             raise CommandFailed(res.argv, -9 if res.returncode is None else res.returncode, output, context=what)
         raise CriuFailed(what, errors=errors, context=context, log_path=str(log), output=output)
+
+
+def _bytes_in(*dirs: str | os.PathLike[str]) -> int:
+    """Bytes of the files directly in `dirs`: CRIU's progress (its log, the
+    image files it writes)."""
+    total = 0
+    for d in dirs:
+        try:
+            with os.scandir(d) as it:
+                for e in it:
+                    try:
+                        total += e.stat(follow_symlinks=False).st_size
+                    except OSError:
+                        pass
+        except OSError:
+            pass
+    return total
 
 
 def _criu_env(work_dir: str | os.PathLike[str], opts: DumpOptions | RestoreOptions) -> dict[str, str] | None:

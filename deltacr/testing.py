@@ -38,7 +38,8 @@ class FakeCommandRunner:
 
     envs: list[dict[str, str] | None] = field(default_factory=list)
 
-    def run(self, argv: list[str], *, timeout: float, env: dict[str, str] | None = None) -> Result:
+    def run(self, argv: list[str], *, timeout: float, env: dict[str, str] | None = None,
+            progress=None, stall: float | None = None) -> Result:  # type: ignore[no-untyped-def]
         self.calls.append(list(argv))
         self.envs.append(dict(env) if env else None)
         for r in self.rules:

@@ -32,6 +32,7 @@ the API layer to map.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -52,6 +53,8 @@ from ..errors import CommandFailed, FailedPrecondition, NotFound, SandboxNotRunn
 from ..runner import Completed, SubprocessRunner
 from .cgroups import Freezer
 from .sandbox import Runtime, Sandbox, reap
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ProcessCheckpoint", "Standby", "checkpoint_processes", "restore_processes", "rollback_processes",
            "prepare_standby", "promote_standby", "discard_standby", "list_standbys", "remove_standby_leftovers", "make_room_for_standby", "gc_scratch",
@@ -124,9 +127,11 @@ def _running(rt: Runtime, ref: str) -> Sandbox:
 # --- checkpoint / restore ------------------------------------------------------------------------
 def checkpoint_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, checkpoint_id: str,
                          fs_commit: Callable[[], Any] | None = None,
-                         opts: DumpOptions = DumpOptions()) -> ProcessCheckpoint:
+                         opts: DumpOptions | None = None) -> ProcessCheckpoint:
     """Dump the sandbox's processes into `store` as `checkpoint_id`, the
     sandbox frozen from the start of `fs_commit` until the dump is done.
+    Options: DumpOptions.for_private_netns (TCP connections, file locks and
+    leases dumped) unless `opts` says otherwise.
 
     On a CRIU refusal raises deltacr.CriuFailed (CRIU's reasons, the log kept
     in store.log_dir(checkpoint_id)); the sandbox keeps running as it was.
@@ -139,6 +144,10 @@ def checkpoint_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, check
     _check_init_stdio(sb, init_pid)
     freezer = Freezer(rt.layout, sb.cgroup_rel)
     was_frozen = freezer.state() == "FROZEN"
+    if freezer.v1 and not was_frozen:
+        _check_not_stopped(sb, freezer.dir / "cgroup.procs")
+    if opts is None:
+        opts = DumpOptions.for_private_netns(tcp_connections=_tcp_connected(init_pid))
     runc = _runc(rt)
     work = _scratch(store, "dump-", _rss_bytes(freezer.dir / "cgroup.procs"))
     img, logs = work / "image", work / "work"
@@ -148,8 +157,10 @@ def checkpoint_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, check
         return runc.checkpoint(sb.id, img, logs, opts)
 
     try:
+        dumped = False
         try:
             cap = capture_consistent(freezer.freeze, (lambda: None) if was_frozen else freezer.thaw, dump, fs_commit)
+            dumped = True
         except CriuFailed as e:
             kept = store.log_dir(checkpoint_id)
             kept.mkdir(parents=True, exist_ok=True)
@@ -157,6 +168,10 @@ def checkpoint_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, check
                 shutil.copyfile(e.log_path, kept / "dump.log")
                 e.log_path = str(kept / "dump.log")
             raise
+        finally:
+            if not dumped:
+                _unlock_network(sb, init_pid)
+            _check_thawed(sb, freezer, was_frozen)
         t = time.monotonic()
         m = store.put(checkpoint_id, img, logs=[logs / "dump.log"],
                       meta={"sandbox_id": sb.id, "options": opts.to_dict(), "kind": "criu-runc"})
@@ -236,6 +251,94 @@ def _check_init_stdio(sb: Sandbox, init_pid: int | None) -> None:
             raise FailedPrecondition(
                 f"the init of sandbox {sb.id} holds {target} (fd {fd}), a host file CRIU cannot dump",
                 fix="start sandboxes with Runtime(runner=CheckpointableRunner()) so the init's output is a pipe")
+
+
+# Why a stopped task cannot be dumped on a cgroup v1 host, for the reasons of
+# the checkpoint and `crabd doctor` (seen here: CRIU 4.1.1's log ends at the
+# SEIZE of the task before the stopped one, and the dump never returns).
+STOPPED_TASK_LIMIT = (
+    "host limit: this host's cgroup v1 freezer and ptrace cannot seize a stopped task: runc always has CRIU "
+    "freeze the sandbox's freezer cgroup, and PTRACE_SEIZE of a task in group stop waits for the task to leave "
+    "the stop, which a frozen task never does (the kernel loses the wake-up; CRIU hangs, upstream: all its "
+    "stopped* tests fail with --freeze-cgroup, criu PR #1905)")
+
+
+def _check_not_stopped(sb: Sandbox, procs_file: Path) -> None:
+    """Refuse, before freezing, a dump CRIU would hang in: a task stopped by
+    SIGSTOP/SIGTSTP/SIGTTIN/SIGTTOU (state T) on a cgroup v1 freezer."""
+    stopped = []
+    try:
+        pids = [int(x) for x in procs_file.read_text().split()]
+    except OSError:
+        return
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        if data[data.rindex(b")") + 2:][:1] == b"T":
+            stopped.append(f"{pid} ({data[data.index(b'(') + 1:data.rindex(b')')].decode(errors='replace')})")
+    if stopped:
+        raise FailedPrecondition(f"sandbox {sb.id} has stopped tasks: {', '.join(stopped[:8])}; {STOPPED_TASK_LIMIT}",
+                                 fix="let stopped tasks continue (SIGCONT) before the turn ends to have the "
+                                     "processes checkpointed")
+
+
+def _tcp_connected(pid: int | None) -> bool:
+    """Has the network namespace of `pid` a TCP socket that a process holds
+    (inode not 0: TIME_WAIT and orphaned sockets are not dumped) and that is
+    neither listening nor closed (/proc/PID/net/tcp{,6}, columns `st`, `inode`)?"""
+    for name in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{name}") as f:
+                if tcp_table_connected(f.read()):
+                    return True
+        except OSError:
+            return True  # cannot tell: lock, the safe side
+    return False
+
+
+def tcp_table_connected(table: str) -> bool:
+    """The test of _tcp_connected on the text of one /proc/net/tcp table. Pure."""
+    rows = (ln.split() for ln in table.splitlines()[1:])
+    return any(len(r) > 9 and r[3] not in ("0A", "07") and r[9] != "0" for r in rows)
+
+
+def _unlock_network(sb: Sandbox, pid: int | None) -> None:
+    """Remove CRIU's network lock from the sandbox's network namespace if a
+    dump left it there: CRIU unlocks on every failure it survives, but one
+    killed (stalled, timed out) after locking leaves its `CRIU` chain, which
+    drops every packet on the sandbox's loopback. The same rules CRIU's own
+    unlock deletes (criu/net.c), IPv4 and IPv6; nothing when there is no
+    such chain (one `iptables -C` each)."""
+    for tool in ("iptables", "ip6tables"):
+        exe, nsenter = shutil.which(tool), shutil.which("nsenter")
+        if not exe or not nsenter or not pid:
+            continue
+        enter = [nsenter, "-t", str(pid), "-n", exe, "-w", "5"]
+        try:
+            if subprocess.run(enter + ["-C", "INPUT", "-j", "CRIU"], capture_output=True, timeout=15).returncode:
+                continue
+            log.warning("removing CRIU's network lock left in sandbox %s (%s)", sb.id, tool)
+            for rule in (["-D", "INPUT", "-j", "CRIU"], ["-D", "OUTPUT", "-j", "CRIU"], ["-F", "CRIU"], ["-X", "CRIU"]):
+                subprocess.run(enter + rule, capture_output=True, timeout=15)
+        except (OSError, subprocess.TimeoutExpired):
+            log.warning("could not check %s for CRIU's network lock in sandbox %s", tool, sb.id, exc_info=True)
+
+
+def _check_thawed(sb: Sandbox, freezer: Freezer, was_frozen: bool) -> None:
+    """After a dump, failed or not, the sandbox is as frozen as it was
+    before: a CRIU left behind could re-freeze it (it restores the freezer
+    state it found), so look, and thaw again if needed."""
+    if was_frozen:
+        return
+    try:
+        if freezer.state() != "THAWED":
+            log.warning("sandbox %s was left %s after a dump; thawing it", sb.id, freezer.state())
+            freezer.thaw()
+    except FileNotFoundError:
+        pass  # the sandbox is gone
 
 
 def _check_tree(sb: Sandbox, procs_file: Path, init_pid: int | None) -> None:

@@ -40,7 +40,7 @@ from ..errors import (CommandNotFound, ExecError, ExecTimeout, FailedPreconditio
 from ..images import ImageStore, validate_name
 from ..runner import Runner, SubprocessRunner
 from .cgroups import CgroupLayout, Freezer, detect_layout
-from .oci import DEFAULT_ENV, INIT_PATH, RUN_PATH, Limits, build_config
+from .oci import DEFAULT_ENV, INIT_PATH, RUN_PATH, Limits, build_config, loopback_hook
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ class Runtime:
         env = _merge_env(DEFAULT_ENV, tuple(img.env))
         cfg = build_config(sandbox_id=sid, init_source=str(self.init_binary), run_source=str(d / "run"),
                            cgroups_path=sb.cgroup_rel,
-                           limits=sb.limits, env=env, annotations=annotations)
+                           limits=sb.limits, env=env, annotations=annotations, hooks=_hooks())
         (d / "bundle" / "config.json").write_text(json.dumps(cfg, indent=2))
         self._save(sb)
         if start:
@@ -355,7 +355,10 @@ class Runtime:
         for e in full_env:
             rargv += ["--env", e]
         rargv += [sb.id, INIT_PATH, "--run", f"{RUN_PATH}/{fifo.name}", "--", *argv]
-        data = stdin.encode() if isinstance(stdin, str) else stdin
+        # No stdin: an empty pipe (end of file at once), never the host's
+        # /dev/null: a command that daemonizes keeps its stdin, and CRIU cannot
+        # dump a file of a mount outside the sandbox ("Can't lookup mount").
+        data = stdin.encode() if isinstance(stdin, str) else (b"" if stdin is None else stdin)
 
         def kill_tree() -> None:
             _kill_tree_from_pidfile(pidfile)
@@ -529,6 +532,17 @@ class Runtime:
                 except (FileNotFoundError, KeyError, json.JSONDecodeError):
                     continue
         return out
+
+
+def _hooks() -> dict[str, list[dict[str, Any]]] | None:
+    """The bundle's OCI hooks: `lo` up in a restored sandbox (see oci.py).
+    Without sh, nsenter or ip on the host there is none, and deltacr brings
+    `lo` up after the restore instead (too late for sockets on 127.0.0.1:
+    `crabd doctor` says so)."""
+    tools = [shutil.which(t) for t in ("sh", "nsenter", "ip")]
+    if not all(tools):
+        return None
+    return {"createRuntime": [loopback_hook(*tools)]}  # type: ignore[arg-type]
 
 
 def raise_exists(name: str) -> None:

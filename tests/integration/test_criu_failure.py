@@ -10,6 +10,13 @@ committed with its files and the CRIU error in its reasons (no process
 image); a failed restore starts a fresh init on the checkpoint's files with
 a `sandbox.restore_failed` event; nothing committed is lost.
 
+A second test runs the "hangs" mode (the wrapper sleeps instead of running
+CRIU, as CRIU does when it cannot seize a task): the dump is killed once its
+log stops growing (DumpOptions.stall_timeout, 10 s), CRIU with runc, the
+sandbox thawed, the reason in the checkpoint; a hung restore falls back to a
+fresh init the same way. CRIU's network lock, if the killed dump had taken
+it, is removed from the sandbox's namespace.
+
 The wrapper refuses every hot-standby restore, so each rollback runs a
 CRIU restore of its own. The daemon runs with the /proc inspector (which never plans FS_PROC) in
 capture mode full, so every turn dumps the sandbox's processes.
@@ -17,7 +24,9 @@ capture mode full, so every turn dumps the sandbox's processes.
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
 from pathlib import Path
 
 from crabd.testing import wait_until
@@ -41,6 +50,10 @@ case "$mode" in
   "$op-exit")
     echo "Error (test wrapper): injected CRIU failure in $op" >&2
     exit 1 ;;
+  "$op-hang")
+    # a CRIU that never answers runc: crabd must kill it (not only runc)
+    echo $$ > "$CTRL.hung"
+    exec sleep 3600 ;;
   "$op-kill")
     "$REAL" "$@" &
     pid=$!
@@ -59,7 +72,9 @@ def _committed(c, cid: str) -> dict:
     return wait_until(settled, f"settled checkpoint {cid}", interval=0.2)
 
 
-def test_criu_fails_mid_dump_and_mid_restore(start_daemon, tmp_path):
+def _wrapped_daemon(start_daemon, tmp_path):
+    """A daemon (capture full, /proc inspector) whose runc runs the wrapper
+    as CRIU; returns its client and the wrapper's control file."""
     real = shutil.which("criu")
     assert real, "criu missing: run scripts/setup-host"
     ctrl = tmp_path / "criu.mode"
@@ -70,7 +85,11 @@ def test_criu_fails_mid_dump_and_mid_restore(start_daemon, tmp_path):
     cfg = tmp_path / "config.toml"
     cfg.write_text('capture = "full"\n')
     d = start_daemon(args=["--config", str(cfg)], env={"CRABD_CRIU": str(wrapper), "CRABD_INSPECTOR": "proc"})
-    c = d.client()
+    return d.client(), ctrl
+
+
+def test_criu_fails_mid_dump_and_mid_restore(start_daemon, tmp_path):
+    c, ctrl = _wrapped_daemon(start_daemon, tmp_path)
     sid = c.create_sandbox("busybox")["id"]
     c.exec(sid, "setsid sh -c 'while :; do sleep 0.2; done' >/dev/null 2>&1 </dev/null &")
     assert "while" in c.exec(sid, "ps -o args")["stdout"], "the background loop did not start"
@@ -119,3 +138,54 @@ def test_criu_fails_mid_dump_and_mid_restore(start_daemon, tmp_path):
     assert states.get(ck_good["id"]) == "committed"
     assert c.exec(sid, "echo after > /root/g && cat /root/g")["stdout"].strip() == "after"
     Path(ctrl).unlink()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return b"sleep" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True
+
+
+def test_criu_that_hangs_is_killed_and_the_sandbox_thawed(start_daemon, tmp_path):
+    c, ctrl = _wrapped_daemon(start_daemon, tmp_path)
+    sid = c.create_sandbox("busybox")["id"]
+    freezer = Path(f"/sys/fs/cgroup/freezer/crabd/{sid}/freezer.state")
+    c.exec(sid, "setsid sh -c 'while :; do sleep 0.2; done' >/dev/null 2>&1 </dev/null &")
+    good = _committed(c, c.exec(sid, "echo one > /root/f")["checkpoint"])
+    assert good["proc_image"], good
+
+    # a dump that cannot make progress, killed after it locked the network
+    # (CRIU's own lock rules, criu/net.c, put in the sandbox's namespace here)
+    netns = ["nsenter", "-t", str(c.sandbox(sid)["pid"]), "-n"]
+    lock = "*filter\n:CRIU - [0:0]\n-I INPUT -j CRIU\n-I OUTPUT -j CRIU\n-A CRIU -j DROP\nCOMMIT\n"
+    subprocess.run(netns + ["iptables-restore", "-n"], input=lock.encode(), check=True, timeout=30)
+    ctrl.write_text("dump-hang")
+    ck = _committed(c, c.exec(sid, "echo two > /root/f")["checkpoint"])
+    ctrl.write_text("")
+    hung = int((tmp_path / "criu.mode.hung").read_text())
+    assert ck["state"] == "committed" and not ck["proc_image"], ck
+    why = [x for x in ck["reasons"] if "process image not captured" in x]
+    # killed for making no progress, not at the 120 s timeout
+    assert why and "killed with CRIU" in why[0] and "stopped growing" in why[0], ck["reasons"]
+    assert wait_until(lambda: _gone(hung), f"the hung CRIU {hung} to be gone", timeout=10)
+    assert freezer.read_text().strip() == "THAWED"
+    assert subprocess.run(netns + ["iptables", "-C", "INPUT", "-j", "CRIU"], capture_output=True,
+                          timeout=30).returncode != 0, "CRIU's network lock was left in the sandbox"
+    assert c.exec(sid, "cat /root/f")["stdout"].strip() == "two"
+    assert "while" in c.exec(sid, "ps -o args")["stdout"], "the background loop died"
+
+    # a restore that cannot make progress: a fresh init on the checkpoint's files
+    (tmp_path / "criu.mode.hung").unlink()
+    ev0 = max((e["seq"] for e in c.events()), default=0)
+    ctrl.write_text("restore-hang")
+    out = c.rollback(sid, good["id"])
+    ctrl.write_text("")
+    assert out["restored"] == "fs", out
+    hung = int((tmp_path / "criu.mode.hung").read_text())
+    assert wait_until(lambda: _gone(hung), f"the hung CRIU {hung} to be gone", timeout=10)
+    evs = [e for e in c.events(since=ev0) if e["kind"] == "sandbox.restore_failed"]
+    assert evs and "killed with CRIU" in evs[0]["data"]["error"], evs
+    assert c.sandbox(sid)["status"] == "running"
+    assert c.exec(sid, "cat /root/f")["stdout"].strip() == "one"
+    assert os.path.exists(freezer) and freezer.read_text().strip() == "THAWED"

@@ -20,7 +20,7 @@ def test_doctor_reports_every_check_ok():
     assert report["ok"] is True and r.returncode == 0
     names = {c["name"] for c in report["checks"]}
     assert {"root", "kernel", "overlayfs", "btrfs", "xfs-reflink", "cgroup-freezer", "criu", "runc", "bpf",
-            "tracefs", "docker", "disk-space"} <= names
+            "tracefs", "docker", "disk-space", "criu-stopped-tasks", "criu-rlimits", "restore-loopback"} <= names
     for c in report["checks"]:
         assert set(c) == {"name", "status", "detail", "fix"}
 

@@ -69,3 +69,22 @@ def test_required_features_follow_options():
     assert "tcp_half_closed" not in required_features(DumpOptions())
     assert "tcp_half_closed" in required_features(DumpOptions(tcp_established=True))
     assert "fdinfo_lock" in required_features(RestoreOptions(file_locks=True))
+
+
+def test_private_netns_dumps_tcp_and_locks_and_locks_the_network_only_for_tcp():
+    with_tcp = DumpOptions.for_private_netns(tcp_connections=True)
+    assert with_tcp.tcp_established and with_tcp.file_locks and with_tcp.network_lock is NetworkLock.LOCK
+    assert config_lines(with_tcp) == []
+    without = DumpOptions.for_private_netns(tcp_connections=False)
+    assert without.tcp_established and without.file_locks and config_lines(without) == ["network-lock skip"]
+    argv = checkpoint_argv("runc", "/r", "sb-1", "/img", "/work", without)
+    assert "--tcp-established" in argv and "--file-locks" in argv
+    # what the image needs comes back for its restore
+    r = RestoreOptions.from_dump(without)
+    assert r.tcp_established and r.file_locks and r.network_lock is NetworkLock.SKIP
+
+
+@pytest.mark.parametrize("v", [0, -1, True, "10"])
+def test_stall_timeout_is_a_positive_number(v):
+    with pytest.raises(InvalidArgument):
+        DumpOptions(stall_timeout=v)

@@ -53,3 +53,14 @@ def test_check_tree_accepts_descendants_and_names_strangers(tmp_path):
     finally:
         child.kill()
         child.wait()
+
+
+def test_tcp_table_connected_counts_held_connections_only():
+    from crabd.runtime.process import tcp_table_connected
+    head = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+    listen = "   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4242 1 0\n"
+    tw = "   1: 0100007F:1F90 0100007F:D0A2 06 00000000:00000000 03:00000A1B 00000000     0        0 0 3 0\n"
+    est = "   2: 0100007F:1F90 0100007F:D0A4 01 00000000:00000000 00:00000000 00000000     0        0 4343 1 0\n"
+    assert not tcp_table_connected(head + listen + tw)  # TIME_WAIT belongs to no process: nothing to dump
+    assert tcp_table_connected(head + listen + est)
+    assert not tcp_table_connected(head)

@@ -1,10 +1,12 @@
 import os
+import time
 
 import pytest
 
 import deltacr.runc as runc_mod
 from deltacr import (CommandFailed, CriuFailed, CriuUnavailable, DumpOptions, Runc, check_criu, criu_errors,
                      needs_sockopt_shim)
+from deltacr.compat import has_cap_sys_resource
 from deltacr.runc import SubprocessCommandRunner
 from deltacr.testing import FakeCommandRunner
 
@@ -112,3 +114,40 @@ def test_subprocess_runner_timeout():
                                                  ((4, 1), "6.12.1", False), ((3, 17), "6.16.0", True)])
 def test_sockopt_shim_needed_only_for_old_criu_on_new_kernels(version, kernel, need):
     assert needs_sockopt_shim(version, kernel) is need
+
+
+def test_subprocess_runner_kills_a_stalled_command_and_its_whole_session():
+    # runc's child (CRIU) is in runc's session: a stall kills both, not only runc.
+    res = SubprocessCommandRunner().run(["/bin/sh", "-c", "sleep 30 & echo $!; wait"], timeout=30,
+                                        progress=lambda: 0, stall=0.3)
+    assert res.returncode is None and res.killed == "stalled"
+    child = int(res.output.split()[0])
+    for _ in range(500):
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.01)
+    else:
+        raise AssertionError(f"the command's child {child} outlived the kill")
+
+
+def test_subprocess_runner_progress_keeps_a_command_alive():
+    ticks = iter(range(10**6))
+    res = SubprocessCommandRunner().run(["/bin/sleep", "1"], timeout=30, progress=lambda: next(ticks), stall=0.3)
+    assert res.returncode == 0 and not res.killed
+
+
+def test_a_killed_dump_says_so_with_crius_last_log_line(tmp_path):
+    fake = FakeCommandRunner()
+    fake.on("checkpoint", returncode=None, writes={"dump.log": b"(00.01) freezing\n(00.02) SEIZE 7 (comm sh): success\n"})
+    with pytest.raises(CriuFailed) as ei:
+        Runc("/r", runner=fake).checkpoint("sb-1", tmp_path / "img", tmp_path / "work")
+    assert "killed with CRIU" in str(ei.value) and "SEIZE 7" in str(ei.value)
+
+
+@pytest.mark.parametrize("cap_eff,has", [("000001fffeffffff", False), ("000001ffffffffff", True), ("0", False)])
+def test_cap_sys_resource_from_status(cap_eff, has):
+    assert has_cap_sys_resource(f"Name:\tx\nCapEff:\t{cap_eff}\n") is has

@@ -59,3 +59,14 @@ def test_env_and_cgroup_path():
     assert c["linux"]["cgroupsPath"] == "/crabd/sb-0123456789"
     assert c["annotations"] == {"org.criu.config": "/x"}
     assert c["hostname"] == "sb-0123456789"
+
+
+def test_loopback_hook_reads_the_pid_from_runc_state():
+    import subprocess
+    from crabd.runtime.oci import loopback_hook
+    h = loopback_hook("/bin/sh", "/bin/echo", "ip")  # echo stands in for nsenter
+    state = b'{"ociVersion":"1.0.2","id":"sb-1","status":"creating","pid":4242,"bundle":"/b","annotations":{"x":"1"}}'
+    r = subprocess.run(h["args"], executable=h["path"], input=state, capture_output=True, timeout=10)
+    assert r.returncode == 0 and r.stdout.split() == [b"-t", b"4242", b"-n", b"ip", b"link", b"set", b"lo", b"up"]
+    c = cfg(hooks={"createRuntime": [h]})
+    assert c["hooks"]["createRuntime"] == [h] and "hooks" not in cfg()
