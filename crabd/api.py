@@ -385,7 +385,7 @@ def make_app(daemon: Daemon, *, token: str | None = None, tokens: dict[str, str]
             nxt = evs[-1].seq if evs else since
         return {"events": [e.to_dict() for e in evs], "order": "desc" if order == "desc" else "asc",
                 "limit": n, "max_limit": max_page, "more": more, "next": nxt,
-                "last_seq": daemon.store.last_event_seq()}
+                "last_seq": daemon.store.last_event_seq(sandbox, owner)}
 
     @app.get("/v1/events", description=(
         "The daemon's events (rollbacks, deaths, checkpoints), a page at a time: at most `limit` "
@@ -394,7 +394,7 @@ def make_app(daemon: Daemon, *, token: str | None = None, tokens: dict[str, str]
         "oldest first. The reply echoes `limit`, says whether the range holds `more` events beyond the page, "
         "and gives the cursor `next`: pass it as `since` for the next page (asc, latest; also to tail once "
         "`more` is false) or as `before` (desc; null when there is nothing older). `last_seq` is the newest "
-        "event's seq. follow=true (the default): a server-sent event stream from `since` (or from the "
+        "matching event's seq. follow=true (the default): a server-sent event stream from `since` (or from the "
         "newest `latest`) on, without end."), responses={200: {
             "description": "follow=false: {events, order, limit, max_limit, more, next, last_seq}; "
                            "follow=true: a server-sent event stream",

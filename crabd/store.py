@@ -573,11 +573,10 @@ class Store:
         evs = [Event(r["seq"], r["ts"], r["sandbox_id"], r["kind"], json.loads(r["data"])) for r in rows[:limit]]
         return evs, len(rows) > limit
 
-    def last_event_seq(self) -> int:
-        """The newest event's seq (0: none yet): where a tail starts."""
-        with self._lock:
-            row = self._db.execute("SELECT MAX(seq) AS m FROM events").fetchone()
-        return int(row["m"] or 0)
+    def last_event_seq(self, sandbox_id: str | None = None, owner: str | None = None) -> int:
+        """The newest event's seq (of that sandbox / owner; 0: none yet): where a tail starts."""
+        evs, _ = self.events_page(sandbox_id=sandbox_id, owner=owner, limit=1, newest_first=True)
+        return evs[0].seq if evs else 0
 
     def iter_all_checkpoints(self) -> Iterator[CheckpointRow]:
         with self._lock:

@@ -50,7 +50,7 @@ class _Store:
         self.calls.append(("events_page", since))
         return [], False
 
-    def last_event_seq(self) -> int:
+    def last_event_seq(self, *a: Any) -> int:
         return 0
 
 

@@ -98,6 +98,7 @@ def test_an_owner_pages_through_its_own_events_only(api):
     assert [e["seq"] for e in p["events"]] == mine[:1] and p["more"]
     p = ok(get(ALICE, limit=1, since=p["next"]))
     assert [e["seq"] for e in p["events"]] == mine[1:] and not p["more"]
+    assert p["last_seq"] == mine[-1]  # not the newest of all: others' events are not counted either
 
 
 @pytest.mark.parametrize("params", [{"limit": 0}, {"limit": EVENTS_MAX_PAGE + 1}, {"latest": 0},

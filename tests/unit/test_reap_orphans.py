@@ -49,3 +49,39 @@ def test_only_adopted_runc_stages_are_reaped() -> None:
     # the two adopted runc stages are reaped; another zombie child is left to its owner
     assert n == "2", p.stdout
     assert left == "other", p.stdout
+
+
+ADOPTED = textwrap.dedent(r"""
+    import ctypes, os, subprocess, sys, time
+    from crabd.runtime import AdoptedReaper
+    from crabd.runtime.sandbox import _become_subreaper
+    _become_subreaper()
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def orphan(name):
+        mid = os.fork()
+        if mid == 0:
+            if os.fork() == 0:
+                libc.prctl(15, name.encode(), 0, 0, 0)   # PR_SET_NAME
+                os._exit(0)
+            os._exit(0)
+        os.waitpid(mid, 0)
+
+    orphan("runc:[2:INIT]")
+    orphan("criu")
+    orphan("other")
+    own = subprocess.Popen(["sh", "-c", "exit 3"])   # a Popen child, exited, not yet waited on
+    time.sleep(0.5)
+    r = AdoptedReaper()
+    first = sorted(c for _, c in r.reap())
+    second = sorted(c for _, c in r.reap())          # CRIU only once it lingered a round
+    print(",".join(first) or "-", ",".join(second) or "-", own.wait())
+""")
+
+
+def test_the_adopted_reaper_never_takes_a_popen_childs_status() -> None:
+    p = subprocess.run([sys.executable, "-c", ADOPTED], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    first, second, status = p.stdout.split()
+    assert first == "runc:[2:INIT]" and second == "criu", p.stdout
+    assert status == "3", p.stdout  # the Popen child's exit status is still its own

@@ -129,3 +129,4 @@ def test_events_page_filters_by_sandbox_and_owner(store):
     assert len(evs) == 1 and more
     assert store.events_page(owner="alice", since=evs[0].seq, limit=1)[1] is False
     assert store.last_event_seq() == 5
+    assert store.last_event_seq(owner="alice") == 4 and store.last_event_seq(sandbox_id="sb-b") == 3
