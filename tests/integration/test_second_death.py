@@ -98,10 +98,14 @@ def _story(evs: list[tuple[str, dict]]) -> str:
     return "events:\n" + "\n".join(f"  {k} {json.dumps(d)[:300]}" for k, d in evs)
 
 
-def _server(c: Client, sid: str) -> dict:
+def _serving_sandbox(start_daemon) -> tuple[Client, str, dict]:
+    """A daemon, and a busybox sandbox whose turn started a web server (an
+    FS_PROC checkpoint: its recovery restores processes)."""
+    c = start_daemon(env={"CRABD_INSPECTOR": "proc"}).client()
+    sid = c.create_sandbox("busybox")["id"]
     r = c.exec(sid, "echo v1 > /tmp/index.html; (httpd -f -p 8000 -h /tmp >/dev/null 2>&1 &); sleep 0.3")
     assert r["exit_code"] == 0 and r["plan"] == "FS_PROC", r
-    return r
+    return c, sid, r
 
 
 def _serves(c: Client, sid: str) -> bool:
@@ -109,10 +113,7 @@ def _serves(c: Client, sid: str) -> bool:
 
 
 def test_death_during_a_standby_promotion_is_recovered(start_daemon):
-    d = start_daemon(env={"CRABD_INSPECTOR": "proc"})
-    c = d.client()
-    sid = c.create_sandbox("busybox")["id"]
-    r = _server(c, sid)
+    c, sid, r = _serving_sandbox(start_daemon)
     _wait_standby(c, sid, r["checkpoint"])
     since = _last_seq(c)
     killer = CgroupKiller(sid)
@@ -133,10 +134,7 @@ def test_death_during_a_standby_promotion_is_recovered(start_daemon):
 
 
 def test_death_during_a_criu_restore_is_recovered(start_daemon):
-    d = start_daemon(env={"CRABD_INSPECTOR": "proc"})
-    c = d.client()
-    sid = c.create_sandbox("busybox")["id"]
-    r = _server(c, sid)
+    c, sid, r = _serving_sandbox(start_daemon)
     later = c.exec(sid, "echo v2 > /tmp/other.html")  # a newer checkpoint: the standby holds that one
     _wait_standby(c, sid, later["checkpoint"])
     since = _last_seq(c)
@@ -163,10 +161,7 @@ def test_death_during_a_criu_restore_is_recovered(start_daemon):
 
 
 def test_a_sandbox_that_keeps_dying_is_not_recovered_forever(start_daemon):
-    d = start_daemon(env={"CRABD_INSPECTOR": "proc"})
-    c = d.client()
-    sid = c.create_sandbox("busybox")["id"]
-    r = _server(c, sid)
+    c, sid, r = _serving_sandbox(start_daemon)
     _wait_standby(c, sid, r["checkpoint"])  # committed, and the first recovery a promotion
     since = _last_seq(c)
     killer = CgroupKiller(sid, linger=None)
