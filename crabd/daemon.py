@@ -1150,11 +1150,14 @@ class Daemon:
 
     # --- rollback and fork -------------------------------------------------------------------
     async def rollback(self, ref: str, checkpoint: str | int | None, owner: str | None = None,
-                       reason: str = "requested", processes: bool = True) -> dict[str, Any]:
+                       reason: str = "requested", processes: bool = True,
+                       only_if_dead: bool = False) -> dict[str, Any] | None:
         row = self._own(await asyncio.to_thread(self.store.get_sandbox, ref), owner)
         t = self.turns.setdefault(row.id, Turns())
         t0 = time.monotonic()
         async with t.lock:
+            if only_if_dead and await asyncio.to_thread(self._live_init, row.id) is not None:
+                return None  # an automatic recovery that a rollback by hand made moot while it waited
             self.scheduler.cancel(row.id)
             await self._wait_capture(t)
             try:
@@ -1647,49 +1650,62 @@ class Daemon:
         t.recovering = True
         try:
             try:
-                choice = await asyncio.to_thread(self._recovery_choice, sid, t, RecoveryPlan())
+                target, older = await asyncio.to_thread(self._recovery_targets, sid)
             except NotFound:
                 return  # destroyed, or nothing committed to go back to
-            if choice is None:
+            plan, now = RecoveryPlan(), time.monotonic()
+            t.recoveries = plan.recent(t.recoveries, now)
+            opt = plan.next(t.recoveries, target=target.id, older=older, now=now,
+                            target_has_processes=bool(target.proc_image))
+            if opt is None:
                 t.gave_up = True
                 self._event("sandbox.recovery_gave_up", sid, attempts=[
                     {"checkpoint": a.checkpoint, "processes": a.processes} for a in t.recoveries],
                     fix=f"crabd rollback {sid} [checkpoint] once the cause is found (the sandbox stays dead)")
                 return
-            opt, target = choice
             if opt.fallback:
                 self._event("sandbox.recovery_fallback", sid, checkpoint=opt.checkpoint, processes=opt.processes,
-                            instead_of=target, reason=f"recoveries to {target} kept dying")
+                            instead_of=target.id, reason=f"recoveries to {target.id} kept dying")
             t.recoveries.append(Attempt(time.monotonic(), opt.checkpoint, opt.processes))
             try:
                 await self.rollback(sid, opt.checkpoint, reason="automatic recovery after the sandbox died",
-                                    processes=opt.processes)
+                                    processes=opt.processes, only_if_dead=True)
             except NotFound:
                 pass  # destroyed while it waited: nothing to recover
             except Exception as e:
                 log.exception("automatic rollback of %s failed", sid)
                 self._event("sandbox.recovery_failed", sid, checkpoint=opt.checkpoint, error=str(e))
-                if sid in self.turns:  # the next option, on the watch's next round
-                    t.died = f"its automatic recovery failed: {e}"
+                if sid in self.turns:
+                    pid = await asyncio.to_thread(self._live_init, sid)
+                    if pid is None:  # still dead: the next option, on the watch's next round
+                        t.died = f"its automatic recovery failed: {e}"
+                    else:
+                        t.init_pid = pid
         finally:
             t.recovering = False
 
-    def _recovery_choice(self, sid: str, t: Turns, plan: Any) -> tuple[Any, str] | None:
-        """(the option to try, the recovery target), or None: give up."""
+    def _recovery_targets(self, sid: str) -> tuple[CheckpointRow, str | None]:
+        """The recovery target, and the complete checkpoint before it if that
+        one has processes to restore (a fallback of crabd.recovery's plan)."""
         row = self.store.get_sandbox(sid)
         target = self._latest_committed(row)
         older: str | None = None
-        if target.parent:  # the complete checkpoint before the target, if it has processes to restore
+        if target.parent:
             from dataclasses import replace
             try:
                 prev = self._latest_committed(replace(row, head=target.parent))
                 older = prev.id if prev.proc_image else None
             except NotFound:
                 pass
-        opt = plan.next(t.recoveries, target=target.id, older=older, now=time.monotonic(),
-                        target_has_processes=bool(target.proc_image))
-        t.recoveries = plan.recent(t.recoveries, time.monotonic())
-        return (opt, target.id) if opt is not None else None
+        return target, older
+
+    def _live_init(self, sid: str) -> int | None:
+        """The sandbox's init pid if it runs (worker thread: asks runc)."""
+        try:
+            sb = self.runtime.get(sid)
+        except NotFound:
+            return None
+        return sb.pid if sb.status == "running" and sb.pid and pid_alive(sb.pid) else None
 
     # --- health ----------------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
