@@ -16,7 +16,7 @@ from pathlib import Path
 
 from crabd.testing import wait_until
 
-SANDBOXES = 120    # plain create + exec + destroy
+SANDBOXES = 80     # plain create + exec + destroy (~1 s each on this loaded 2-core host)
 WITH_CRIU = 12     # ... plus these with a process checkpoint and a rollback (a CRIU restore)
 
 
