@@ -13,7 +13,7 @@ import errno
 import json
 import logging
 import sqlite3
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi import Path as PathParam
@@ -23,8 +23,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .daemon import Daemon
-from .errors import CrabdError, ExecTimeout, NotFound
+from .errors import CrabdError, ExecTimeout, InvalidArgument, NotFound
 from .runtime import Limits
+from .store import EVENTS_MAX_PAGE
 
 __all__ = ["make_app"]
 
@@ -365,34 +366,66 @@ def make_app(daemon: Daemon, *, token: str | None = None, tokens: dict[str, str]
         return await daemon.fork(cid, body.count, owner)
 
     # --- events, health, metrics ----------------------------------------------------------
-    def owned_events(since: int, sandbox: str | None, owner: str | None) -> tuple[list[Any], int]:
-        """Events after `since` the owner may see (its sandboxes' only), and
-        the last seq read (to resume after events it may not see)."""
-        evs = daemon.store.events_since(since, sandbox)
-        last = evs[-1].seq if evs else since
-        if owner is not None:
-            mine = {r.id for r in daemon.store.list_sandboxes(owner)}
-            evs = [e for e in evs if e.sandbox_id in mine]
-        return evs, last
+    max_page = EVENTS_MAX_PAGE
 
-    @app.get("/v1/events", responses={200: {
-        "description": "follow=false: {events: [...]}; follow=true: a server-sent event stream",
-        "content": {"application/json": {}, "text/event-stream": {}}}})
+    def event_page(since: int, before: int | None, sandbox: str | None, owner: str | None, limit: int,
+                   order: str, latest: int | None) -> dict[str, Any]:
+        """One page of the events the owner may see (its sandboxes' only)."""
+        newest_first = order == "desc" or latest is not None
+        n = latest if latest is not None else limit
+        evs, more = daemon.store.events_page(since=since, before=before, sandbox_id=sandbox, owner=owner,
+                                             limit=n, newest_first=newest_first)
+        if latest is not None:
+            evs.reverse()  # the newest N, oldest first: read like a log's tail
+        if order == "desc":
+            # Older events are next: pass `next` as `before`.
+            nxt = evs[-1].seq if evs and more else None
+        else:
+            # Newer ones: pass `next` as `since` (also once caught up, to tail).
+            nxt = evs[-1].seq if evs else since
+        return {"events": [e.to_dict() for e in evs], "order": "desc" if order == "desc" else "asc",
+                "limit": n, "max_limit": max_page, "more": more, "next": nxt,
+                "last_seq": daemon.store.last_event_seq(sandbox, owner)}
+
+    @app.get("/v1/events", description=(
+        "The daemon's events (rollbacks, deaths, checkpoints), a page at a time: at most `limit` "
+        f"(1..{max_page}, default {max_page}) per reply. `order=asc` (default): the oldest events after `since`; "
+        "`order=desc`: the newest (before `before`, if given), newest first; `latest=N`: the newest N, "
+        "oldest first. The reply echoes `limit`, says whether the range holds `more` events beyond the page, "
+        "and gives the cursor `next`: pass it as `since` for the next page (asc, latest; also to tail once "
+        "`more` is false) or as `before` (desc; null when there is nothing older). `last_seq` is the newest "
+        "matching event's seq. follow=true (the default): a server-sent event stream from `since` (or from the "
+        "newest `latest`) on, without end."), responses={200: {
+            "description": "follow=false: {events, order, limit, max_limit, more, next, last_seq}; "
+                           "follow=true: a server-sent event stream",
+            "content": {"application/json": {}, "text/event-stream": {}}}})
     async def events(owner: Owner, since: int = Query(0, ge=0, le=MAX_SEQ),
                      sandbox: Annotated[str | None, Query(pattern=ID_PATTERN, max_length=128)] = None,
-                     follow: bool = True) -> Response:
+                     follow: bool = True,
+                     before: int | None = Query(None, ge=1, le=MAX_SEQ),
+                     limit: int = Query(max_page, ge=1, le=max_page),
+                     order: Literal["asc", "desc"] = "asc",
+                     latest: int | None = Query(None, ge=1, le=max_page)) -> Response:
+        if latest is not None and order == "desc":
+            raise InvalidArgument("latest=N already gives the newest events (oldest first); "
+                                  "drop order=desc, or use order=desc&limit=N")
         if not follow:
-            evs, _ = await call(owned_events, since, sandbox, owner)
-            return JSONResponse({"events": [e.to_dict() for e in evs]})
+            return JSONResponse(await call(event_page, since, before, sandbox, owner, limit, order, latest))
+        if latest is not None:  # start the stream just before the newest N
+            first, _ = await call(lambda: daemon.store.events_page(
+                since=since, sandbox_id=sandbox, owner=owner, limit=latest, newest_first=True))
+            since = first[-1].seq - 1 if first else since
 
         async def stream() -> Any:
             last = since
             while True:
-                prev = last
-                evs, last = await call(owned_events, prev, sandbox, owner)
+                evs, _ = await call(lambda: daemon.store.events_page(since=last, sandbox_id=sandbox, owner=owner,
+                                                                     limit=max_page))
                 for e in evs:
                     yield f"id: {e.seq}\nevent: {e.kind}\ndata: {json.dumps(e.to_dict(), default=str)}\n\n"
-                if last == prev:
+                if evs:
+                    last = evs[-1].seq
+                else:
                     yield ": keep-alive\n\n"
                     await daemon.wait_event(15.0)
 

@@ -365,8 +365,12 @@ def fork(checkpoint: str, count: int = typer.Option(1, "--count"), socket: Optio
 
 @app.command()
 def events(sandbox: Optional[str] = typer.Option(None, "--sandbox"), follow: bool = typer.Option(False, "--follow", "-f"),
-           since: int = typer.Option(0, "--since"), socket: Optional[Path] = SocketOpt, as_json: bool = JsonOpt) -> None:
-    """Show the daemon's events (rollbacks, deaths, checkpoints)."""
+           since: int = typer.Option(0, "--since", help="only events after this seq (page by page, all of them)"),
+           latest: Optional[int] = typer.Option(None, "--latest", "-n", min=1, max=1000,
+                                                help="only the newest N (with --follow: then the new ones)"),
+           socket: Optional[Path] = SocketOpt, as_json: bool = JsonOpt) -> None:
+    """Show the daemon's events (rollbacks, deaths, checkpoints): all after
+    --since, or the newest --latest N; --follow goes on with new ones."""
     c = _client(socket)
 
     def show(e: dict[str, Any]) -> None:
@@ -378,15 +382,20 @@ def events(sandbox: Optional[str] = typer.Option(None, "--sandbox"), follow: boo
             out.print(f"{e['seq']:>6} {ts} {e['sandbox_id'] or '-':14} {e['kind']:22} "
                       f"{json.dumps(e['data'])[:60]}", highlight=False)
 
+    # Pages through the cursor the daemon returns (a page holds at most 1,000).
+    page = _guard(lambda: c.events_page(since, sandbox, latest=latest), as_json)
+    for e in page["events"]:
+        show(e)
+    while latest is None and page["more"]:
+        page = _guard(lambda: c.events_page(page["next"], sandbox), as_json)
+        for e in page["events"]:
+            show(e)
     if follow:
         try:
-            for e in c.follow_events(since, sandbox):
+            for e in c.follow_events(page["next"], sandbox):
                 show(e)
         except KeyboardInterrupt:
             return
-    else:
-        for e in _guard(lambda: c.events(since, sandbox), as_json):
-            show(e)
 
 
 # --- effects ledger and budgets (crabd/effects.py) -----------------------------------------

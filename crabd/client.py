@@ -240,16 +240,24 @@ class Client:
         raise E.FailedPrecondition(f"effect {op!r} did not settle after 8 reconciles", fix="inspect: crabd effects ls")
 
     # events, health
-    def events(self, since: int = 0, sandbox: str | None = None) -> list[dict[str, Any]]:
-        params: dict[str, Any] = {"since": since, "follow": False}
-        if sandbox:
-            params["sandbox"] = sandbox
-        return self._req("GET", "/v1/events", params=params)["events"]
+    def events(self, since: int = 0, sandbox: str | None = None, *, latest: int | None = None) -> list[dict[str, Any]]:
+        """One page (at most 1,000) of events after `since`, oldest first; or
+        the newest `latest` of them. To read everything, page with events_page."""
+        return self.events_page(since, sandbox, latest=latest)["events"]
 
-    def follow_events(self, since: int = 0, sandbox: str | None = None) -> Iterator[dict[str, Any]]:
-        params: dict[str, Any] = {"since": since}
-        if sandbox:
-            params["sandbox"] = sandbox
+    def events_page(self, since: int = 0, sandbox: str | None = None, *, latest: int | None = None,
+                    order: str = "asc", before: int | None = None, limit: int | None = None) -> dict[str, Any]:
+        """{events, order, limit, max_limit, more, next, last_seq}: pass `next`
+        as `since` for the next page (as `before` with order="desc")."""
+        return self._req("GET", "/v1/events", params=_event_params(since, sandbox, latest, order, before, limit))
+
+    def last_event_seq(self) -> int:
+        """The newest event's seq: `since` for "what happens from now on"."""
+        return int(self.events_page(latest=1)["last_seq"])
+
+    def follow_events(self, since: int = 0, sandbox: str | None = None, *,
+                      latest: int | None = None) -> Iterator[dict[str, Any]]:
+        params = _event_params(since, sandbox, latest, follow=True)
         with self._http.stream("GET", "/v1/events", params=params, timeout=None) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
@@ -398,16 +406,20 @@ class AsyncClient:
                     "effect": await self.effect_commit(eid, receipt=receipt)}
         raise E.FailedPrecondition(f"effect {op!r} did not settle after 8 reconciles", fix="inspect: crabd effects ls")
 
-    async def events(self, since: int = 0, sandbox: str | None = None) -> list[dict[str, Any]]:
-        params: dict[str, Any] = {"since": since, "follow": False}
-        if sandbox:
-            params["sandbox"] = sandbox
-        return (await self._req("GET", "/v1/events", params=params))["events"]
+    async def events(self, since: int = 0, sandbox: str | None = None, *,
+                     latest: int | None = None) -> list[dict[str, Any]]:
+        return (await self.events_page(since, sandbox, latest=latest))["events"]
 
-    async def follow_events(self, since: int = 0, sandbox: str | None = None) -> AsyncIterator[dict[str, Any]]:
-        params: dict[str, Any] = {"since": since}
-        if sandbox:
-            params["sandbox"] = sandbox
+    async def events_page(self, since: int = 0, sandbox: str | None = None, *, latest: int | None = None,
+                          order: str = "asc", before: int | None = None, limit: int | None = None) -> dict[str, Any]:
+        return await self._req("GET", "/v1/events", params=_event_params(since, sandbox, latest, order, before, limit))
+
+    async def last_event_seq(self) -> int:
+        return int((await self.events_page(latest=1))["last_seq"])
+
+    async def follow_events(self, since: int = 0, sandbox: str | None = None, *,
+                            latest: int | None = None) -> AsyncIterator[dict[str, Any]]:
+        params = _event_params(since, sandbox, latest, follow=True)
         async with self._http.stream("GET", "/v1/events", params=params, timeout=None) as r:
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
@@ -415,3 +427,16 @@ class AsyncClient:
 
     async def health(self) -> dict[str, Any]:
         return await self._req("GET", "/v1/health")
+
+
+def _event_params(since: int, sandbox: str | None, latest: int | None, order: str = "asc",
+                  before: int | None = None, limit: int | None = None, follow: bool = False) -> dict[str, Any]:
+    params: dict[str, Any] = {"since": since, "follow": follow}
+    if sandbox:
+        params["sandbox"] = sandbox
+    for k, v in (("latest", latest), ("before", before), ("limit", limit)):
+        if v is not None:
+            params[k] = v
+    if order != "asc":
+        params["order"] = order
+    return params

@@ -43,7 +43,7 @@ from deltafs.snapshotter import chaos_point  # CRABD_CHAOS: bench/chaos.py's kil
 
 from . import config
 from .errors import CrabdError, FailedPrecondition, InvalidArgument, NotFound
-from .runtime import Freezer, Limits, Runtime, pid_alive, reap, reap_runc_orphans
+from .runtime import AdoptedReaper, Freezer, Limits, Runtime, pid_alive, reap
 from .metrics import PHASES
 from .store import SCHEMA_VERSION, CheckpointRow, SandboxRow, Store
 
@@ -109,6 +109,13 @@ class Turns:
     # broken (BLIND_*): the next checkpoint saves everything. Cleared when a
     # checkpoint opened under that reason commits.
     blind: str | None = None
+    # Why the sandbox is dead, when the death watch cannot see it from a pid:
+    # a rollback ended with it not running (its restored processes died
+    # during the restore or the promotion, before their pid was recorded),
+    # or an automatic recovery failed. The watch takes it as a death.
+    died: str | None = None
+    recoveries: list[Any] = field(default_factory=list)  # crabd.recovery.Attempt, newest last
+    gave_up: bool = False  # automatic recovery exhausted its options: no more until a manual rollback
 
 
 class Daemon:
@@ -154,6 +161,7 @@ class Daemon:
         self._sizing_queued: dict[str, tuple[str, int]] = {}
         self._guard = threading.Lock()
         self._event_waiters: set[asyncio.Event] = set()
+        self._reaper = AdoptedReaper()  # zombies crabd (a child subreaper) adopted: see watch_deaths
         self._loop: asyncio.AbstractEventLoop | None = None
         self.started_at = time.time()
 
@@ -1203,15 +1211,18 @@ class Daemon:
 
     # --- rollback and fork -------------------------------------------------------------------
     async def rollback(self, ref: str, checkpoint: str | int | None, owner: str | None = None,
-                       reason: str = "requested") -> dict[str, Any]:
+                       reason: str = "requested", processes: bool = True,
+                       only_if_dead: bool = False) -> dict[str, Any] | None:
         row = self._own(await asyncio.to_thread(self.store.get_sandbox, ref), owner)
         t = self.turns.setdefault(row.id, Turns())
         t0 = time.monotonic()
         async with t.lock:
+            if only_if_dead and await asyncio.to_thread(self._live_init, row.id) is not None:
+                return None  # an automatic recovery that a rollback by hand made moot while it waited
             self.scheduler.cancel(row.id)
             await self._wait_capture(t)
             try:
-                out = await asyncio.to_thread(self._rollback_sync, row.id, checkpoint, reason)
+                out = await asyncio.to_thread(self._rollback_sync, row.id, checkpoint, reason, processes)
             except Exception:
                 self.metrics.rollbacks.labels(result="failed").inc()
                 raise
@@ -1225,8 +1236,7 @@ class Daemon:
             # The sandbox is the target's state now; restored processes ran
             # before the inspector watched them again (see BLIND_RESTORED).
             t.blind = BLIND_RESTORED if "proc" in out.get("restored", "") else None
-            sb = await asyncio.to_thread(self.runtime.get, row.id)
-            t.init_pid = sb.pid
+            await self._after_rollback(t, row.id)
         self.metrics.rollbacks.labels(result="ok").inc()
         out["duration_ms"] = round((time.monotonic() - t0) * 1000, 3)
         return out
@@ -1265,7 +1275,9 @@ class Daemon:
             raise FailedPrecondition(f"checkpoint {ck.id} holds no file-system snapshot (its parent never became "
                                      "durable)", fix="roll back to an older committed checkpoint")
 
-    def _rollback_sync(self, sid: str, ref: str | int | None, reason: str) -> dict[str, Any]:
+    def _rollback_sync(self, sid: str, ref: str | int | None, reason: str, processes: bool = True) -> dict[str, Any]:
+        """Roll back to `ref` (None: the recovery target); processes=False
+        starts a fresh init on its files (a recovery's fallback)."""
         row = self.store.get_sandbox(sid)
         ck = self._latest_committed(row) if ref is None else self.resolve_checkpoint(sid, ref)
         self._require_files(ck)
@@ -1275,7 +1287,7 @@ class Daemon:
             self.inspector.unwatch(sid)
         except Exception:
             pass
-        promoted = self._promote_standby(sid, ck, row, timing)
+        promoted = self._promote_standby(sid, ck, row, timing) if processes else None
         if promoted is not None:
             return self._finish_rollback(sid, row, ck, promoted, "fs+proc (hot standby)", timing, reason)
         t = time.monotonic()
@@ -1294,7 +1306,7 @@ class Daemon:
         self._remove_snapshot(row.fs_key)
         timing["fs"] = time.monotonic() - t
         t = time.monotonic()
-        restored = self._start_from(sid, ck)
+        restored = self._start_from(sid, ck, processes)
         timing["start"] = time.monotonic() - t
         return self._finish_rollback(sid, row, ck, new_key, restored, timing, reason)
 
@@ -1308,18 +1320,18 @@ class Daemon:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._schedule_standby_refresh, sid)
         self._event("sandbox.rolled_back", sid, checkpoint=ck.id, reason=reason, branch=row.branch + 1,
-                    effects_not_undone=not_undone)
+                    restored=restored, effects_not_undone=not_undone)
         if ledger["committed_after"] or ledger["unknown"]:
             self._event("effects.not_undone", sid, checkpoint=ck.id, **ledger)
         return {"sandbox": sid, "checkpoint": ck.id, "seq": ck.seq, "turn": ck.turn, "branch": row.branch + 1,
                 "restored": restored, "effects_not_undone": not_undone, "ledger": ledger,
                 "timing_ms": {k: round(v * 1000, 3) for k, v in timing.items()}}
 
-    def _start_from(self, sid: str, ck: CheckpointRow) -> str:
+    def _start_from(self, sid: str, ck: CheckpointRow, processes: bool = True) -> str:
         """Start a sandbox whose root is already `ck`'s files: restore `ck`'s
-        processes when it has an image, else a fresh init. A failed restore
-        falls back to a fresh init, with an event that says so."""
-        if ck.proc_image:
+        processes when it has an image (and `processes`), else a fresh init.
+        A failed restore falls back to a fresh init, with an event that says so."""
+        if ck.proc_image and processes:
             from deltacr import DeltacrError
             from .runtime.process import restore_processes
             try:
@@ -1646,47 +1658,133 @@ class Daemon:
     # --- death watch ---------------------------------------------------------------------------
     async def watch_deaths(self, interval: float = 0.5) -> None:
         """Notice sandboxes whose init died (OOM kill, crash) and, per policy,
-        roll them back to their last committed checkpoint."""
+        roll them back to their last committed checkpoint; reap what crabd
+        (a child subreaper) adopted meanwhile."""
         while True:
             await asyncio.sleep(interval)
-            try:
-                reaped = reap_runc_orphans()
-                if reaped:
-                    log.info("reaped %d orphaned runc stage(s): %s", len(reaped), reaped)
-            except OSError as e:
-                log.warning("reaping orphaned runc stages: %s", e)
+            self._reap_adopted()
             for sid, t in list(self.turns.items()):
-                if t.recovering or t.init_pid is None or t.lock.locked():
+                if t.recovering or t.gave_up or t.lock.locked():
                     continue
-                if pid_alive(t.init_pid):
-                    continue
-                reap(t.init_pid)
-                try:
-                    sb = await asyncio.to_thread(self.runtime.get, sid)
-                except NotFound:
-                    continue
-                if sb.status == "running":
-                    t.init_pid = sb.pid
-                    continue
-                self.store.update_sandbox(sid, state="dead")
-                self._event("sandbox.died", sid, reason=f"init exited ({sb.status})")
-                if self.options.auto_rollback:
-                    await self._auto_recover(sid)
+                why = t.died
+                if why is None:
+                    if t.init_pid is None or pid_alive(t.init_pid):
+                        continue
+                    reap(t.init_pid)
+                    try:
+                        sb = await asyncio.to_thread(self.runtime.get, sid)
+                    except NotFound:
+                        continue
+                    if sb.status == "running":
+                        t.init_pid = sb.pid
+                        continue
+                    why = f"init exited ({sb.status})"
+                t.died = None
+                await self._sandbox_died(sid, t, why)
+
+    def _reap_adopted(self) -> None:
+        """Reap the zombies crabd adopted (sandbox inits, CRIU's restored
+        trees, runc stages) -- all but the inits the watch itself reaps."""
+        try:
+            reaped = self._reaper.reap(skip={t.init_pid for t in self.turns.values() if t.init_pid})
+        except OSError as e:
+            log.warning("reaping adopted processes: %s", e)
+            return
+        if reaped:
+            log.info("reaped %d adopted process(es): %s", len(reaped), reaped)
+
+    async def _sandbox_died(self, sid: str, t: Turns, why: str) -> None:
+        data: dict[str, Any] = {"reason": why}
+        if t.recoveries:  # dying again soon after a recovery: say after which
+            last = t.recoveries[-1]
+            data.update(after_recovery_to=last.checkpoint,
+                        after_recovery_s=round(time.monotonic() - last.at, 3))
+        t.init_pid = None  # reaped, and nothing to watch until a rollback starts it again
+        self.store.update_sandbox(sid, state="dead")
+        self._event("sandbox.died", sid, **data)
+        if self.options.auto_rollback:
+            await self._auto_recover(sid)
+
+    async def _after_rollback(self, t: Turns, sid: str) -> None:
+        """Record the rolled-back sandbox's init for the death watch. A
+        sandbox already not running (its restored processes were killed as
+        they appeared) is marked dead for the watch, not left unwatched."""
+        sb = await asyncio.to_thread(self.runtime.get, sid)
+        t.init_pid = sb.pid
+        t.died = None
+        if sb.status != "running" or (sb.pid is not None and not pid_alive(sb.pid)):
+            t.died = f"its restored processes died during the rollback (runc: {sb.status})"
+        if not t.recovering:  # a rollback asked for by hand starts automatic recovery over
+            t.recoveries.clear()
+            t.gave_up = False
 
     async def _auto_recover(self, sid: str) -> None:
+        """Roll a dead sandbox back, trying the options of crabd.recovery's
+        plan in turn: bounded, never a loop of restores of a target that
+        keeps dying."""
+        from .recovery import Attempt, RecoveryPlan
         t = self.turns.get(sid)
         if t is None:
             return  # destroyed meanwhile
         t.recovering = True
         try:
-            await self.rollback(sid, None, reason="automatic recovery after the sandbox died")
-        except NotFound:
-            pass  # destroyed while it waited: nothing to recover
-        except Exception as e:
-            log.exception("automatic rollback of %s failed", sid)
-            self._event("sandbox.recovery_failed", sid, error=str(e))
+            try:
+                target, older = await asyncio.to_thread(self._recovery_targets, sid)
+            except NotFound:
+                return  # destroyed, or nothing committed to go back to
+            plan, now = RecoveryPlan(), time.monotonic()
+            t.recoveries = plan.recent(t.recoveries, now)
+            opt = plan.next(t.recoveries, target=target.id, older=older, now=now,
+                            target_has_processes=bool(target.proc_image))
+            if opt is None:
+                t.gave_up = True
+                self._event("sandbox.recovery_gave_up", sid, attempts=[
+                    {"checkpoint": a.checkpoint, "processes": a.processes} for a in t.recoveries],
+                    fix=f"crabd rollback {sid} [checkpoint] once the cause is found (the sandbox stays dead)")
+                return
+            if opt.fallback:
+                self._event("sandbox.recovery_fallback", sid, checkpoint=opt.checkpoint, processes=opt.processes,
+                            instead_of=target.id, reason=f"recoveries to {target.id} kept dying")
+            t.recoveries.append(Attempt(time.monotonic(), opt.checkpoint, opt.processes))
+            try:
+                await self.rollback(sid, opt.checkpoint, reason="automatic recovery after the sandbox died",
+                                    processes=opt.processes, only_if_dead=True)
+            except NotFound:
+                pass  # destroyed while it waited: nothing to recover
+            except Exception as e:
+                log.exception("automatic rollback of %s failed", sid)
+                self._event("sandbox.recovery_failed", sid, checkpoint=opt.checkpoint, error=str(e))
+                if sid in self.turns:
+                    pid = await asyncio.to_thread(self._live_init, sid)
+                    if pid is None:  # still dead: the next option, on the watch's next round
+                        t.died = f"its automatic recovery failed: {e}"
+                    else:
+                        t.init_pid = pid
         finally:
             t.recovering = False
+
+    def _recovery_targets(self, sid: str) -> tuple[CheckpointRow, str | None]:
+        """The recovery target, and the complete checkpoint before it if that
+        one has processes to restore (a fallback of crabd.recovery's plan)."""
+        row = self.store.get_sandbox(sid)
+        target = self._latest_committed(row)
+        older: str | None = None
+        if target.parent:
+            from dataclasses import replace
+            try:
+                prev = self._latest_committed(replace(row, head=target.parent))
+                older = prev.id if prev.proc_image else None
+            except NotFound:
+                pass
+        return target, older
+
+    def _live_init(self, sid: str) -> int | None:
+        """The sandbox's init pid if it runs (worker thread: asks runc)."""
+        try:
+            sb = self.runtime.get(sid)
+        except NotFound:
+            return None
+        return sb.pid if sb.status == "running" and sb.pid and pid_alive(sb.pid) else None
 
     # --- health ----------------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:

@@ -39,7 +39,7 @@ import blake3
 
 from .errors import CrabdError, FailedPrecondition, NotFound
 
-__all__ = ["Store", "SandboxRow", "CheckpointRow", "Event", "SCHEMA_VERSION", "IntegrityError"]
+__all__ = ["Store", "SandboxRow", "CheckpointRow", "Event", "SCHEMA_VERSION", "IntegrityError", "EVENTS_MAX_PAGE"]
 
 MIGRATIONS: list[str] = [
     # 1: initial schema
@@ -197,6 +197,10 @@ class CheckpointRow:
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+# One page of events holds at most this many: the API's cap, echoed in its reply.
+EVENTS_MAX_PAGE = 1000
 
 
 @dataclass
@@ -540,15 +544,39 @@ class Store:
             seq = int(cur.lastrowid or 0)
         return Event(seq, ts, sandbox_id, kind, data)
 
-    def events_since(self, seq: int = 0, sandbox_id: str | None = None, limit: int = 1000) -> list[Event]:
+    def events_since(self, seq: int = 0, sandbox_id: str | None = None, limit: int = EVENTS_MAX_PAGE) -> list[Event]:
+        """Events after `seq`, oldest first (at most `limit`)."""
+        return self.events_page(since=seq, sandbox_id=sandbox_id, limit=limit)[0]
+
+    def events_page(self, *, since: int = 0, before: int | None = None, sandbox_id: str | None = None,
+                    owner: str | None = None, limit: int = EVENTS_MAX_PAGE,
+                    newest_first: bool = False) -> tuple[list[Event], bool]:
+        """One page of the events with `since` < seq < `before`: the oldest
+        `limit` of them, or with `newest_first` the newest `limit`, newest
+        first. `owner`: only events of that owner's (existing) sandboxes.
+        Returns (events, more): `more` says the range holds events beyond the
+        page (newer ones, or older ones with `newest_first`)."""
         q = "SELECT * FROM events WHERE seq>?"
-        args: list[Any] = [seq]
+        args: list[Any] = [since]
+        if before is not None:
+            q += " AND seq<?"
+            args.append(before)
         if sandbox_id:
             q += " AND sandbox_id=?"
             args.append(sandbox_id)
+        if owner is not None:
+            q += " AND sandbox_id IN (SELECT id FROM sandboxes WHERE owner=?)"
+            args.append(owner)
+        q += " ORDER BY seq DESC" if newest_first else " ORDER BY seq"
         with self._lock:
-            rows = self._db.execute(q + " ORDER BY seq LIMIT ?", (*args, limit)).fetchall()
-        return [Event(r["seq"], r["ts"], r["sandbox_id"], r["kind"], json.loads(r["data"])) for r in rows]
+            rows = self._db.execute(q + " LIMIT ?", (*args, limit + 1)).fetchall()
+        evs = [Event(r["seq"], r["ts"], r["sandbox_id"], r["kind"], json.loads(r["data"])) for r in rows[:limit]]
+        return evs, len(rows) > limit
+
+    def last_event_seq(self, sandbox_id: str | None = None, owner: str | None = None) -> int:
+        """The newest event's seq (of that sandbox / owner; 0: none yet): where a tail starts."""
+        evs, _ = self.events_page(sandbox_id=sandbox_id, owner=owner, limit=1, newest_first=True)
+        return evs[0].seq if evs else 0
 
     def iter_all_checkpoints(self) -> Iterator[CheckpointRow]:
         with self._lock:

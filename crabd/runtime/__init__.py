@@ -11,7 +11,8 @@
 
 from .cgroups import CgroupLayout, Freezer, detect_layout
 from .oci import Limits, build_config
-from .sandbox import DEFAULT_OUTPUT_LIMIT, ExecResult, Runtime, Sandbox, pid_alive, reap, reap_runc_orphans
+from .sandbox import DEFAULT_OUTPUT_LIMIT, AdoptedReaper, ExecResult, Runtime, Sandbox, pid_alive, reap, reap_runc_orphans
 
 __all__ = ["CgroupLayout", "Freezer", "detect_layout", "Limits", "build_config",
-           "DEFAULT_OUTPUT_LIMIT", "ExecResult", "Runtime", "Sandbox", "pid_alive", "reap", "reap_runc_orphans"]
+           "DEFAULT_OUTPUT_LIMIT", "ExecResult", "Runtime", "Sandbox", "pid_alive", "reap", "reap_runc_orphans",
+           "AdoptedReaper"]

@@ -616,7 +616,8 @@ def promote_standby(rt: Runtime, st: Standby) -> Sandbox:
 
 
 def _copy_limits(src: Path, dst: Path) -> None:
-    for name in ("memory.limit_in_bytes", "pids.max", "cpu.cfs_period_us", "cpu.cfs_quota_us", "memory.max",
+    # cpuset first: a v1 cpuset cgroup with no cpus refuses tasks (ENOSPC).
+    for name in ("cpuset.cpus", "cpuset.mems", "memory.limit_in_bytes", "pids.max", "cpu.cfs_period_us", "cpu.cfs_quota_us", "memory.max",
                  "cpu.max"):
         try:
             v = (src / name).read_text().strip()

@@ -464,6 +464,8 @@ class Runtime:
                     reap(pid)
                 reap_runc_orphans()  # one in its pid namespace keeps the init from exiting
                 time.sleep(0.01)
+            if pid:
+                reap(pid)  # runc says stopped as soon as the init is a zombie: ours (a subreaper) to reap
         self._runc("delete", "--force", sb.id, check=False, context=f"runc delete of {sb.id}")
         if self._status(sb.id)[0] != "absent":
             raise FailedPrecondition(f"sandbox {sb.id} could not be stopped", fix=f"runc --root {self.runc_root} delete --force {sb.id}")
@@ -603,7 +605,61 @@ def reap_runc_orphans() -> list[int]:
     sandbox's init from ever finishing its exit (it waits in
     zap_pid_ns_processes), so its death would never be noticed. Only these
     names: crabd's own children are reaped by whoever waits for them."""
-    reaped: list[int] = []
+    return [pid for pid, comm, _ in _zombie_children() if comm.startswith("runc:[") and _reap_zombie(pid)]
+
+
+# What CRIU runs as on these hosts: `criu`, or its loader when CRIU is run
+# through a private libc (scripts/setup-host's /usr/local/bin/criu wrapper).
+_CRIU_COMMS = ("criu", "ld-linux-x86-64")
+
+
+class AdoptedReaper:
+    """Reaps the zombie children crabd adopted as a child subreaper and that
+    nobody else waits for; run periodically (crabd/daemon.py's death watch).
+
+    Adopted, never started by crabd: every sandbox init (`runc create`'s
+    child), the tree of every CRIU restore (`runc restore --detach`), exec
+    wrappers, runc's init stages, and CRIU itself when the runc that ran it
+    was killed. Unreaped, each stays a zombie until crabd exits (1,105 of
+    them after ~560 sandboxes). Which zombies are reaped, and why each rule
+    cannot steal the exit status of a child a `subprocess.Popen` of crabd
+    waits on (Popen would then report exit status 0, see subprocess's ECHILD
+    handling):
+      - runc's init stages (`runc:[...]`): runc's children, never crabd's;
+      - any process of a deeper pid namespace than crabd's (a sandbox's):
+        crabd starts nothing there itself; `runc exec` runs inside only
+        through runc, which is the Popen child;
+      - CRIU (by name) once it has stayed a zombie for two rounds: crabd's
+        own CRIU runs (`criu check`) are waited on the moment they exit.
+    `skip`: pids someone reaps on purpose (the death watch's sandbox inits:
+    reaped here first, their pid could be reused before the watch looks)."""
+
+    def __init__(self) -> None:
+        self._lingering: set[int] = set()
+        self._level = _pidns_level(os.getpid())
+
+    def reap(self, skip: set[int] | frozenset[int] = frozenset()) -> list[tuple[int, str]]:
+        out: list[tuple[int, str]] = []
+        lingering: set[int] = set()
+        for pid, comm, level in _zombie_children():
+            if pid in skip:
+                continue
+            if comm.startswith("runc:[") or (level is not None and self._level is not None and level > self._level):
+                pass
+            elif comm in _CRIU_COMMS:
+                if pid not in self._lingering:
+                    lingering.add(pid)
+                    continue
+            else:
+                continue
+            if _reap_zombie(pid):
+                out.append((pid, comm))
+        self._lingering = lingering
+        return out
+
+
+def _zombie_children() -> list[tuple[int, str, int | None]]:
+    """(pid, comm, pid-namespace depth) of this process's zombie children."""
     kids: set[int] = set()
     try:  # every thread's children (an orphan is adopted by any thread of the reaper): cheap, no /proc scan
         for task in os.scandir("/proc/self/task"):
@@ -611,21 +667,36 @@ def reap_runc_orphans() -> list[int]:
                 kids.update(int(x) for x in f.read().split())
     except OSError:
         kids = {k.pid for k in psutil.Process().children()}
-    for pid in kids:
+    out = []
+    for pid in sorted(kids):
         try:
             with open(f"/proc/{pid}/stat") as f:
                 stat = f.read()
         except OSError:
             continue
         comm, state = stat[stat.find("(") + 1:stat.rfind(")")], stat[stat.rfind(")") + 2:][:1]
-        if state != "Z" or not comm.startswith("runc:["):
-            continue
-        try:
-            if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                reaped.append(pid)
-        except ChildProcessError:
-            continue
-    return reaped
+        if state == "Z":
+            out.append((pid, comm, _pidns_level(pid)))
+    return out
+
+
+def _pidns_level(pid: int) -> int | None:
+    """How many pid namespaces `pid` is seen in (NSpid; a zombie keeps it)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    return len(line.split()) - 1
+    except OSError:
+        pass
+    return None
+
+
+def _reap_zombie(pid: int) -> bool:
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] == pid
+    except ChildProcessError:
+        return False
 
 
 def _pid_alive(pidfile: Path) -> bool:

@@ -46,9 +46,12 @@ class _Store:
             raise NotFound(f"no checkpoint {cid!r}")
         return SimpleNamespace(id=cid, sandbox_id="sb-0123456789")
 
-    def events_since(self, since: int, sandbox: str | None = None) -> list[Any]:
-        self.calls.append(("events_since", since))
-        return []
+    def events_page(self, *, since: int, **kw: Any) -> tuple[list[Any], bool]:
+        self.calls.append(("events_page", since))
+        return [], False
+
+    def last_event_seq(self, *a: Any) -> int:
+        return 0
 
 
 class FakeDaemon:

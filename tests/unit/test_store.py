@@ -85,3 +85,48 @@ def test_events_in_order(store):
     assert [e.kind for e in store.events_since(0)] == ["one", "two"]
     assert [e.kind for e in store.events_since(a.seq)] == ["two"]
     assert [e.kind for e in store.events_since(0, "sb-1")] == ["one"]
+
+
+def _seqs(page):
+    return [e.seq for e in page[0]], page[1]
+
+
+def test_events_page_forward_with_the_cursor(store):
+    seqs = [store.add_event(f"k{i}", "sb-1").seq for i in range(7)]
+    p1 = store.events_page(since=0, limit=3)
+    assert _seqs(p1) == (seqs[:3], True)
+    p2 = store.events_page(since=p1[0][-1].seq, limit=3)
+    assert _seqs(p2) == (seqs[3:6], True)
+    p3 = store.events_page(since=p2[0][-1].seq, limit=3)
+    assert _seqs(p3) == (seqs[6:], False)
+    assert store.events_page(since=seqs[-1], limit=3) == ([], False)
+    assert store.last_event_seq() == seqs[-1]
+
+
+def test_events_page_newest_first_and_backward(store):
+    seqs = [store.add_event(f"k{i}", "sb-1").seq for i in range(5)]
+    p1 = store.events_page(newest_first=True, limit=2)
+    assert _seqs(p1) == ([seqs[4], seqs[3]], True)
+    p2 = store.events_page(before=p1[0][-1].seq, newest_first=True, limit=2)
+    assert _seqs(p2) == ([seqs[2], seqs[1]], True)
+    p3 = store.events_page(before=p2[0][-1].seq, newest_first=True, limit=2)
+    assert _seqs(p3) == ([seqs[0]], False)
+    # since bounds a backward page too: the newest two after seqs[1]
+    assert _seqs(store.events_page(since=seqs[1], newest_first=True, limit=9)) == ([seqs[4], seqs[3], seqs[2]], False)
+
+
+def test_events_page_filters_by_sandbox_and_owner(store):
+    store.add_sandbox(SandboxRow(id="sb-a", name="a", image="i", fs_key="k", lineage="sb-a", owner="alice"))
+    store.add_sandbox(SandboxRow(id="sb-b", name="b", image="i", fs_key="k2", lineage="sb-b", owner="bob"))
+    for i in range(4):
+        store.add_event("x", "sb-a" if i % 2 else "sb-b")
+    store.add_event("daemon", None)
+    assert [e.sandbox_id for e in store.events_page(owner="alice")[0]] == ["sb-a", "sb-a"]
+    assert [e.sandbox_id for e in store.events_page(sandbox_id="sb-b")[0]] == ["sb-b", "sb-b"]
+    assert store.events_page(owner="alice", sandbox_id="sb-b") == ([], False)
+    # a full page of the owner's events says whether more of *its* events follow
+    evs, more = store.events_page(owner="alice", limit=1)
+    assert len(evs) == 1 and more
+    assert store.events_page(owner="alice", since=evs[0].seq, limit=1)[1] is False
+    assert store.last_event_seq() == 5
+    assert store.last_event_seq(owner="alice") == 4 and store.last_event_seq(sandbox_id="sb-b") == 3
