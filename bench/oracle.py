@@ -430,6 +430,12 @@ class Oracle:
             if ck["state"] != "committed":
                 out.not_compared[f"checkpoint_{ck['state']}"] = out.not_compared.get(f"checkpoint_{ck['state']}", 0) + 1
                 continue
+            if any("not a recovery target" in r for r in ck.get("reasons") or []):
+                out.not_compared["not_a_recovery_target"] = out.not_compared.get("not_a_recovery_target", 0) + 1
+                continue
+            if not truth["mounts"]:  # the sandbox was not running at its capture: nothing to read
+                out.not_compared["truth_unreadable"] = out.not_compared.get("truth_unreadable", 0) + 1
+                continue
             if ck["plan"] == "FS_PROC":
                 out.fs_proc += 1
                 parent = truths.get(ck.get("parent") or "")
@@ -644,6 +650,9 @@ def main() -> int:
                         shrunk[f["family"]] = o.shrink(turns, f, shrink_s, label)
                         f["minimal"] = shrunk[f["family"]]
                 prog.update(task, completed=out.turns, fn=len(out.false_negatives))
+                if a.verbose:
+                    console.log(f"session {label}: {out.turns}/{total} turns, {out.compared} compared, "
+                                f"{len(out.false_negatives)} FN, plans {out.plans}, faults {out.faults}")
     finally:
         o.close()
     fams: dict[str, int] = {}

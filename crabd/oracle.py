@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from deltafs.tree import open_rel
+
 __all__ = ["STATE_PAGE_ADDR", "STATE_PAGE_MAGIC", "APPEND_PREFIX", "Difference", "read_state", "compare",
            "parse_state_page", "write_record", "load_record", "record_at_capture"]
 
@@ -141,17 +143,6 @@ def _describe(dir_fd: int, name: bytes, st: os.stat_result, cache: _HashCache) -
     if old:
         cache.hashes[key] = desc
     return desc
-
-
-def _open_below(root_fd: int, rel: str) -> int:
-    fd = os.dup(root_fd)
-    for part in [p for p in rel.split("/") if p]:
-        try:
-            nfd = os.open(part, _O_DIR, dir_fd=fd)
-        finally:
-            os.close(fd)
-        fd = nfd
-    return fd
 
 
 def _walk_mount(top_fd: int, skip_top: tuple[str, ...], cache: _HashCache) -> dict[str, str]:
@@ -316,7 +307,7 @@ def read_state(init_pid: int | None, procs_file: Path, *, cache: _HashCache | No
     try:
         for mp, fstype in state_mounts(init_pid):
             try:
-                fd = _open_below(root_fd, mp)
+                fd = open_rel(root_fd, mp.strip("/").encode())  # O_NOFOLLOW at each step
             except NotADirectoryError:
                 continue  # a file bind-mounted over another (runc's /dev/null masks)
             except OSError as e:
