@@ -6,9 +6,9 @@ its capture instant. This module lets a benchmark check that promise:
 * `record_at_capture` is the daemon's one hook (`crabd serve --oracle DIR`,
   called from `Daemon._capture`): while the sandbox's cgroup is frozen at the
   very instant crabd captures checkpoint k (inside crabd's own freeze for FS
-  and FS_PROC; for SKIP, which takes no freeze, inside one the oracle takes,
-  with the inspector told as for crabd's own pause), it writes DIR/<k>.json.zst:
-  a `StateRecord` of the live sandbox.
+  and FS_PROC; for SKIP, which takes no freeze, inside one the oracle takes
+  right before the commit, with the inspector told as for crabd's own pause),
+  it writes DIR/<k>.json.zst: the record `read_state` makes of the live sandbox.
 * `read_state` is that record: every entry of every mount the sandbox has
   that holds state (its root, /dev, /dev/shm, any other tmpfs or bind),
   read from the host through /proc/<init>/root one component at a time,
@@ -337,43 +337,48 @@ def load_record(path: Path) -> dict[str, Any]:
 
 
 # --- the daemon's hook -----------------------------------------------------------------------------
-class _RecordingFs:
-    """The daemon's snapshotter, recording the ground truth of an armed
-    checkpoint just before committing it: crabd calls `checkpoint(key,
-    name=<checkpoint id>)` with the sandbox frozen, for FS and FS_PROC."""
-
-    def __init__(self, fs: Any, daemon: Any) -> None:
-        self._fs = fs
-        self._daemon = daemon
-        self.armed: dict[str, Any] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._fs, name)
-
-    def checkpoint(self, key: str, *args: Any, **kw: Any) -> Any:
-        ck = self.armed.pop(kw.get("name") or "", None)
-        if ck is not None:
-            _record(self._daemon, ck, frozen_by="crabd")
-        return self._fs.checkpoint(key, *args, **kw)
-
-
 def record_at_capture(daemon: Any, ck: Any) -> None:
     """Arrange for the ground truth of checkpoint `ck` to be recorded at its
-    capture instant (oracle mode only; called at the start of `_capture`)."""
-    if ck.plan != "SKIP":
-        if not isinstance(daemon.fs, _RecordingFs):
-            daemon.fs = _RecordingFs(daemon.fs, daemon)
-        daemon.fs.armed[ck.id] = ck
-        return
-    # A SKIP takes no freeze: take one, told to the inspector like crabd's own
-    # pause (its wake-ups are not the next turn's activity).
+    capture instant (oracle mode only; called by `Daemon._capture` before it
+    decides anything, so whatever plan the capture ends with is covered):
+
+    * FS and FS_PROC: inside crabd's own freeze, just before its snapshot
+      (`fs.checkpoint(key, name=<checkpoint id>)` runs with the sandbox frozen);
+    * a checkpoint committed without a snapshot of its own (SKIP): just before
+      its commit, in a freeze the oracle takes, told to the inspector like
+      crabd's own pause (so its wake-ups are not the next turn's activity).
+
+    Both are instance attributes over the daemon's snapshotter and store,
+    set once: no other code path changes."""
+    armed = getattr(daemon, "_oracle_armed", None)
+    if armed is None:
+        armed = daemon._oracle_armed = {}
+        fs_checkpoint, commit = daemon.fs.checkpoint, daemon.store.commit_checkpoint
+
+        def checkpoint(key: str, *args: Any, **kw: Any) -> Any:
+            c = armed.pop(kw.get("name") or "", None)
+            if c is not None:
+                _record(daemon, c, frozen_by="crabd")
+            return fs_checkpoint(key, *args, **kw)
+
+        def commit_checkpoint(cid: str, **fields: Any) -> Any:
+            c = armed.pop(cid, None)
+            if c is not None:
+                _record_frozen(daemon, c)
+            return commit(cid, **fields)
+
+        daemon.fs.checkpoint, daemon.store.commit_checkpoint = checkpoint, commit_checkpoint
+    armed[ck.id] = ck
+
+
+def _record_frozen(daemon: Any, ck: Any) -> None:
     from .runtime.cgroups import Freezer
     try:
         sb = daemon.runtime.get(ck.sandbox_id)
         freezer = Freezer(daemon.runtime.layout, sb.cgroup_rel)
         freezer.freeze()
     except Exception:
-        _record(daemon, ck, frozen_by=None)
+        _record(daemon, ck, frozen_by=None)  # not running: nothing moves
         return
     d: dict[str, float] = {}
     try:

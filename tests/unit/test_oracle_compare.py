@@ -145,3 +145,31 @@ def test_walk_never_follows_symlinks_nor_opens_fifos(tmp_path):
         assert _walk_mount(fd, (), _HashCache(0))["d/f"] != before
     finally:
         os.close(fd)
+
+
+def test_the_daemon_hook_records_at_the_snapshot_or_at_a_snapshotless_commit(tmp_path):
+    from types import SimpleNamespace
+
+    from crabd.oracle import load_record, record_at_capture
+    calls: list[str] = []
+
+    class Runtime:
+        def get(self, sid):
+            raise LookupError(sid)  # not running: recorded without a freeze
+
+    daemon = SimpleNamespace(
+        options=SimpleNamespace(oracle_dir=str(tmp_path)), runtime=Runtime(),
+        fs=SimpleNamespace(checkpoint=lambda key, name=None: calls.append(f"snapshot {name}")),
+        store=SimpleNamespace(commit_checkpoint=lambda cid, **f: calls.append(f"commit {cid}")))
+    fs_ck = SimpleNamespace(id="sb-1", sandbox_id="sb", turn=1, plan="FS")
+    skip_ck = SimpleNamespace(id="sb-2", sandbox_id="sb", turn=2, plan="SKIP")
+    record_at_capture(daemon, fs_ck)
+    daemon.fs.checkpoint("key", name="sb-1")
+    assert (tmp_path / "sb-1.json.zst").exists()
+    daemon.store.commit_checkpoint("sb-1")
+    record_at_capture(daemon, skip_ck)
+    assert not (tmp_path / "sb-2.json.zst").exists()
+    daemon.store.commit_checkpoint("sb-2")
+    rec = load_record(tmp_path / "sb-2.json.zst")
+    assert (rec["checkpoint"], rec["plan"], rec["frozen_by"]) == ("sb-2", "SKIP", None)
+    assert calls == ["snapshot sb-1", "commit sb-1", "commit sb-2"]
