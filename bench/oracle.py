@@ -336,10 +336,14 @@ class Oracle:
                     out.kinds[k] = out.kinds.get(k, 0) + 1
                 if t.fault:
                     out.faults[t.fault] = out.faults.get(t.fault, 0) + 1
+                got: list[dict[str, Any]] = []
                 if t.fault == "kill-sandbox":
-                    found += self._kill_sandbox(sid, out, label, i, ck_turn)
+                    got = self._kill_sandbox(sid, out, label, i, ck_turn)
                 elif t.fault == "rollback":
-                    found += self._rollback(sid, out, label, i, ck_turn)
+                    got = self._rollback(sid, out, label, i, ck_turn)
+                for f in got:
+                    f["found_at_turn"] = i  # the session up to here shows it
+                found += got
                 t_exec = time.monotonic()
                 try:
                     rep = self.client().exec(sid, t.argv(), timeout=60)
@@ -536,7 +540,7 @@ class Oracle:
     def shrink(self, turns: list[Turn], fn: dict[str, Any], budget_s: float, label: str) -> dict[str, Any]:
         """Drop turns while the same family of difference still shows (one try per candidate)."""
         sig = fn["family"]
-        best = list(turns[:fn["turn"] + 1])
+        best = list(turns[:max(fn["turn"], fn.get("found_at_turn", -1)) + 1])
         t_end = time.monotonic() + budget_s
         tries = 0
 
