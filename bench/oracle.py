@@ -393,7 +393,8 @@ class Oracle:
 
     def _fn(self, out: Outcome, label: str, how: str, ck: dict[str, Any], turn: int | None,
             diffs: list[Any], truths: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
-        rec = {"session": label, "how": how, "turn": turn if turn is not None else "setup", "checkpoint": ck["id"], "plan": ck.get("plan"),
+        rec = {"session": label, "how": how, "turn": turn if turn is not None else "setup", "checkpoint": ck["id"],
+               "plan": ck.get("plan"),
                "reasons": ck.get("reasons"), "state": ck.get("state"), "fs_snapshot": ck.get("fs_snapshot"),
                "differences": len(diffs), "what": [d.to_dict() for d in diffs[:12]]}
         parent = (truths or {}).get(ck.get("parent") or "")
@@ -609,6 +610,26 @@ def family(fn: dict[str, Any]) -> str:
     return "other"
 
 
+def result(a: argparse.Namespace, o: Oracle, out: Outcome, shrunk: dict[str, Any], t0: float) -> dict[str, Any]:
+    """The JSON document (also written after every session with --out)."""
+    fams: dict[str, int] = {}
+    for f in out.false_negatives:
+        fams[f["family"]] = fams.get(f["family"], 0) + 1
+    return {"turns": out.turns, "seed": a.seed, "compared": out.compared, "false_negatives": len(out.false_negatives),
+           "false_negatives_by_family": fams, "false_positives": out.fp, "fs_proc_checkpoints": out.fs_proc,
+           "false_positive_rate": round(out.fp / out.fs_proc, 4) if out.fs_proc else 0.0,
+           "plans": out.plans, "skip_compared_on_parent_restore": out.reused,
+           "effect_kinds": sorted(out.kinds), "effect_counts": out.kinds,
+           "faults": out.faults, "not_compared": out.not_compared, "inspector": o.inspector,
+           "differences": out.false_negatives, "minimal_sessions": shrunk,
+           "not_covered": ["io_uring writes (python's stdlib has no io_uring; would need liburing or raw rings)",
+                           "POSIX message queues (mqueue is not checkpointed state here)",
+                           "page-level comparison of CRIU images (the fork's restored memory is compared instead)"],
+           "phases_s": out.phases,
+           "planted": None if not a.plant else {"done": o.plant_done, "detected": bool(out.planted), "what": out.planted},
+           "seconds": round(time.monotonic() - t0, 1)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="200 turns, short shrinking (the CI size)")
@@ -624,6 +645,7 @@ def main() -> int:
                     help="self-test: compare one checkpoint with its parent's ground truth (must be reported)")
     ap.add_argument("--inspector", choices=["bpf", "proc"], default="bpf")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", default=None, help="also write the JSON here, after every session")
     ap.add_argument("--verbose", action="store_true")
     a = ap.parse_args()
     total = a.turns or (200 if a.quick else 2000)
@@ -654,30 +676,21 @@ def main() -> int:
                         shrunk[f["family"]] = o.shrink(turns, f, shrink_s, label)
                         f["minimal"] = shrunk[f["family"]]
                 prog.update(task, completed=out.turns, fn=len(out.false_negatives))
+                if a.out:  # a long run can be read while it goes on
+                    Path(a.out).write_text(json.dumps(result(a, o, out, shrunk, t0), indent=1, default=str))
                 if a.verbose:
                     console.log(f"session {label}: {out.turns}/{total} turns, {out.compared} compared, "
                                 f"{len(out.false_negatives)} FN, plans {out.plans}, faults {out.faults}")
     finally:
         o.close()
-    fams: dict[str, int] = {}
-    for f in out.false_negatives:
-        fams[f["family"]] = fams.get(f["family"], 0) + 1
-    res = {"turns": out.turns, "seed": a.seed, "compared": out.compared, "false_negatives": len(out.false_negatives),
-           "false_negatives_by_family": fams, "false_positives": out.fp, "fs_proc_checkpoints": out.fs_proc,
-           "false_positive_rate": round(out.fp / out.fs_proc, 4) if out.fs_proc else 0.0,
-           "plans": out.plans, "skip_compared_on_parent_restore": out.reused, "effect_kinds": sorted(out.kinds), "effect_counts": out.kinds,
-           "faults": out.faults, "not_compared": out.not_compared, "inspector": o.inspector,
-           "differences": out.false_negatives, "minimal_sessions": shrunk,
-           "not_covered": ["io_uring writes (python's stdlib has no io_uring; would need liburing or raw rings)",
-                           "POSIX message queues (mqueue is not checkpointed state here)",
-                           "page-level comparison of CRIU images (the fork's restored memory is compared instead)"],
-           "phases_s": out.phases, "planted": None if not a.plant else {"done": o.plant_done, "detected": bool(out.planted),
-                                                                       "what": out.planted}, "seconds": round(time.monotonic() - t0, 1)}
+    res = result(a, o, out, shrunk, t0)
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1, default=str))
     if a.json:
         print(json.dumps(res, indent=1, default=str))
     else:
         console.print(f"{res['turns']} turns, {res['compared']} checkpoints compared: "
-                      f"{res['false_negatives']} false negatives {fams}; false positives {out.fp}/{out.fs_proc} "
+                      f"{res['false_negatives']} false negatives {res['false_negatives_by_family']}; false positives {out.fp}/{out.fs_proc} "
                       f"FS_PROC; plans {out.plans}; faults {out.faults}; {res['seconds']} s")
         for f in out.false_negatives[:20]:
             console.print(f"  {f['session']} turn {f['turn']} {f['checkpoint']} {f['plan']} [{f['family']}]: "
