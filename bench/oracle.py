@@ -423,6 +423,7 @@ class Oracle:
         out.took("wait_captures", t0)
         truths: dict[str, dict[str, Any]] = {}
         restored_of: dict[str, tuple[tuple[Any, Any], dict[str, Any]]] = {}
+        lost: dict[str, set[str]] = {}   # checkpoint -> the paths of what its restore lost
         for ck in cks:
             if ck["seq"] == 0:
                 continue
@@ -469,13 +470,22 @@ class Oracle:
             diffs = compare(truth, restored)
             out.compared += 1
             if diffs:
-                found.append(self._fn(out, label, "fork", ck, ck_turn.get(ck["id"]), diffs, truths))
+                f = self._fn(out, label, "fork", ck, ck_turn.get(ck["id"]), diffs, truths)
+                if restored.get("restore_failed"):
+                    f["restore_failed"] = restored["restore_failed"]
+                    f["family"] = "restore-fell-back-to-fresh-init"
+                prev = lost.get(ck.get("parent") or "")
+                # the same loss seen again in a later checkpoint that inherits it
+                f["inherited"] = prev is not None and {d.path for d in diffs} <= prev
+                lost[ck["id"]] = {d.path for d in diffs}
+                found.append(f)
             (self.records / f"{ck['id']}.json.zst").unlink(missing_ok=True)
         return found
 
     def _fork_and_read(self, ck: dict[str, Any], out: Outcome) -> dict[str, Any] | None:
         """Fork checkpoint `ck`, freeze the fork as soon as it exists, read its state, delete it."""
         t0 = time.monotonic()
+        since = max([e["seq"] for e in self.client().events(0)[-1:]] or [0])
         try:
             fork = self.client().fork(ck["id"])["sandboxes"][0]
         except Exception as e:
@@ -486,7 +496,14 @@ class Oracle:
         out.took("fork", t0)
         t0 = time.monotonic()
         try:
-            return self._read_live(fork)
+            rec = self._read_live(fork)
+            # crabd falls back to a fresh init on the checkpoint's files when
+            # the CRIU restore fails (an event, not an error of the fork)
+            failed = [e["data"].get("error", "") for e in self.client().events(since, sandbox=fork)
+                      if e["kind"] == "sandbox.restore_failed"]
+            if failed:
+                rec["restore_failed"] = failed[0][-1500:]
+            return rec
         finally:
             out.took("read_fork", t0)
             t0 = time.monotonic()
@@ -599,6 +616,11 @@ def family(fn: dict[str, Any]) -> str:
     if what and all(w["where"] == "file" and w["path"].startswith(("/dev/shm:", "/dev:")) for w in what) and \
             fn.get("plan") in ("FS", "SKIP"):
         return "C:tmpfs-planned-FS"
+    if what and all(w["what"] == "signals" for w in what):
+        return "pending-signal-lost"
+    if what and all(w["what"] == "xattrs" and w["path"].startswith(("/dev:", "/dev/shm:")) for w in what) \
+            and fn.get("plan") == "FS_PROC":
+        return "tmpfs-xattrs-lost-by-criu"
     if any("oracle-bg-" in p for p in paths) or any(w["where"] == "app" for w in what):
         # B: the first lost step ran while crabd's capture of the parent still
         # had the inspector muted (from its freeze to the end of its re-baseline)
@@ -615,8 +637,11 @@ def result(a: argparse.Namespace, o: Oracle, out: Outcome, shrunk: dict[str, Any
     fams: dict[str, int] = {}
     for f in out.false_negatives:
         fams[f["family"]] = fams.get(f["family"], 0) + 1
+    first = [f for f in out.false_negatives if not f.get("inherited")]
     return {"turns": out.turns, "seed": a.seed, "compared": out.compared, "false_negatives": len(out.false_negatives),
-           "false_negatives_by_family": fams, "false_positives": out.fp, "fs_proc_checkpoints": out.fs_proc,
+           "false_negatives_by_family": fams,
+           # not counting a checkpoint that only inherits its parent's loss
+           "false_negatives_first_seen": len(first), "false_positives": out.fp, "fs_proc_checkpoints": out.fs_proc,
            "false_positive_rate": round(out.fp / out.fs_proc, 4) if out.fs_proc else 0.0,
            "plans": out.plans, "skip_compared_on_parent_restore": out.reused,
            "effect_kinds": sorted(out.kinds), "effect_counts": out.kinds,

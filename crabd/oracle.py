@@ -232,7 +232,10 @@ def _regions(pid: int) -> tuple[dict[str, Any] | None, dict[str, str]]:
                     data = mem.read(hi - lo)
                 except OSError:
                     continue
-                shared[f"{path.split()[0]}@{lo - 0:x}"] = blake3.blake3(data).hexdigest()[:32]
+                # CRIU restores a shared anonymous region as a memfd ("/memfd:/dev/zero
+                # (deleted)"): the same memory, so named by its kind and address only
+                kind = "sysv" if path.startswith("/SYSV") else "shmem"
+                shared[f"{kind}@{lo:x}"] = blake3.blake3(data).hexdigest()[:32]
     return page, shared
 
 

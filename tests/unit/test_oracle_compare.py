@@ -74,7 +74,7 @@ def test_a_pending_signal_lost_is_a_difference():
 def test_a_worker_that_ran_on_after_the_restore_is_accepted():
     truth = _with_worker(_record(), _page("w1", 2, "b" * 64, [(1, "a" * 32), (2, "b" * 32)]), b"t1\nt2\n")
     restored = _with_worker(_record(), _page("w1", 3, "c" * 64, [(1, "a" * 32), (2, "b" * 32), (3, "c" * 32)]),
-                            b"t1\nt2\nt3\n", shared={"/SYSV0@1": "other"})
+                            b"t1\nt2\nt3\n", shared={"sysv@1": "other"})
     assert compare(truth, restored) == []
 
 
@@ -98,8 +98,8 @@ def test_a_worker_log_that_lost_a_line_is_reported_even_when_the_worker_ran_on()
 
 
 def test_shared_memory_differs_only_counts_when_the_worker_did_not_run():
-    truth = _with_worker(_record(), _page("w1", 1, "a" * 64, [(1, "a" * 32)]), shared={"/SYSV0@1": "x"})
-    restored = _with_worker(_record(), _page("w1", 1, "a" * 64, [(1, "a" * 32)]), shared={"/SYSV0@1": "y"})
+    truth = _with_worker(_record(), _page("w1", 1, "a" * 64, [(1, "a" * 32)]), shared={"sysv@1": "x"})
+    restored = _with_worker(_record(), _page("w1", 1, "a" * 64, [(1, "a" * 32)]), shared={"sysv@1": "y"})
     assert [x.what for x in compare(truth, restored)] == ["shared memory"]
 
 
