@@ -657,7 +657,7 @@ def result(a: argparse.Namespace, o: Oracle, out: Outcome, shrunk: dict[str, Any
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="200 turns, short shrinking (the CI size)")
+    ap.add_argument("--quick", action="store_true", help="200 turns, 60 s of shrinking per family")
     ap.add_argument("--turns", type=int, default=None, help="turns in all (default: quick 200, else 2000)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--session", type=int, default=12, help="turns per session (sandbox)")
@@ -715,7 +715,8 @@ def main() -> int:
         print(json.dumps(res, indent=1, default=str))
     else:
         console.print(f"{res['turns']} turns, {res['compared']} checkpoints compared: "
-                      f"{res['false_negatives']} false negatives {res['false_negatives_by_family']}; false positives {out.fp}/{out.fs_proc} "
+                      f"{res['false_negatives']} false negatives {res['false_negatives_by_family']}; "
+                      f"false positives {out.fp}/{out.fs_proc} "
                       f"FS_PROC; plans {out.plans}; faults {out.faults}; {res['seconds']} s")
         for f in out.false_negatives[:20]:
             console.print(f"  {f['session']} turn {f['turn']} {f['checkpoint']} {f['plan']} [{f['family']}]: "

@@ -270,7 +270,8 @@ class Worker:
         libc.prctl(15, ("ow-" + name).encode()[:15])  # PR_SET_NAME
         self.shared = None
         if kind == "sysv":
-            shmid = libc.shmget(0, 4096, 0o1600)  # IPC_PRIVATE, IPC_CREAT|0600 (kept: CRIU dumps the namespace's segments)
+            # IPC_PRIVATE, IPC_CREAT|0600; kept (no IPC_RMID): CRIU dumps the namespace's segments
+            shmid = libc.shmget(0, 4096, 0o1600)
             if shmid < 0:
                 _err("shmget")
             self.shared = libc.shmat(shmid, None, 0)

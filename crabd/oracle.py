@@ -139,7 +139,8 @@ def _describe(dir_fd: int, name: bytes, st: os.stat_result, cache: _HashCache) -
     rdev = f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}" if kind in ("c", "b") else ""
     xa = _xattrs(dir_fd, name) if kind in ("f", "d") else ""
     nlink = st.st_nlink if kind != "d" else 0  # a dir's link count is the file system's business
-    desc = f"{kind}|{stat.S_IMODE(st.st_mode):o}|{st.st_uid}:{st.st_gid}|{nlink}|{size}|{content}|{target}|{rdev}|{xa}|{data}"
+    desc = "|".join((kind, f"{stat.S_IMODE(st.st_mode):o}", f"{st.st_uid}:{st.st_gid}", str(nlink), str(size),
+                     content, target, rdev, xa, data))
     if old:
         cache.hashes[key] = desc
     return desc
