@@ -110,7 +110,9 @@ def serve(config_file: Optional[Path] = typer.Option(None, "--config", help="TOM
           no_scheduler: bool = typer.Option(False, "--no-scheduler", help="start every checkpoint at once (benchmark baseline)"),
           capture: Optional[str] = typer.Option(None, "--capture", help="auto | fs-only | full: what each checkpoint saves [default: auto]"),
           tcp: Optional[str] = typer.Option(None, "--tcp", help="also serve HOST:PORT over TCP (needs --token-file)"),
-          token_file: Optional[Path] = typer.Option(None, "--token-file", help="bearer token for the TCP listener")) -> None:
+          token_file: Optional[Path] = typer.Option(None, "--token-file", help="bearer token for the TCP listener"),
+          oracle: Optional[Path] = typer.Option(None, "--oracle", envvar="CRABD_ORACLE",
+                                                help="record each checkpoint's ground truth here (bench oracle)")) -> None:
     """Run the crabd daemon (root): REST API on a unix socket."""
     import asyncio
     import logging
@@ -125,6 +127,8 @@ def serve(config_file: Optional[Path] = typer.Option(None, "--config", help="TOM
                                 tcp_listen=tcp, token_file=token_file.resolve() if token_file else None,
                                 scheduler={"enabled": False} if no_scheduler else None, capture=capture)
     settings = _guard(build, False)
+    if oracle is not None:  # read by crabd.serve into DaemonOptions.oracle_dir
+        os.environ["CRABD_ORACLE"] = str(oracle.resolve())
     try:
         _guard(lambda: asyncio.run(run(settings)), False)
     except KeyboardInterrupt:
@@ -634,6 +638,13 @@ def bench_stall(ctx: typer.Context) -> None:
 def bench_effects(ctx: typer.Context) -> None:
     """Effects ledger: duplicate external effects under crash + rollback, with and without it (bench/effects.py; --quick, --json)."""
     _bench("effects.py", ctx.args)
+
+
+@bench_app.command("oracle", context_settings=_BENCH_CTX)
+def bench_oracle(ctx: typer.Context) -> None:
+    """Differential oracle: adversarial seeded sessions, every checkpoint compared with the ground truth at its
+    turn (bench/oracle.py; --quick, --turns, --seed, --json)."""
+    _bench("oracle.py", ctx.args)
 
 
 def main() -> None:

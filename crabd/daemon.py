@@ -87,6 +87,7 @@ class DaemonOptions:
     keep_every: int = 10          # ... plus every Mth (0 = none)
     capture: str = "auto"         # crabd.capture mode: auto | fs-only | full
     pool_size: int | None = None  # bytes of a new btrfs loop pool (None: deltafs's default, 20 GiB)
+    oracle_dir: str | None = None  # ground truth of every checkpoint written here (crabd/oracle.py; None: off)
 
 
 @dataclass
@@ -884,6 +885,9 @@ class Daemon:
         durable: None if its `bytes` are final, else the bytes to add to its
         snapshot's usage when `_size_checkpoint` measures it later."""
         t_start = time.monotonic()
+        if self.options.oracle_dir:  # ground truth at this capture's frozen instant (crabd/oracle.py)
+            from .oracle import record_at_capture
+            record_at_capture(self, ck)
         parent = self.store.get_checkpoint(ck.parent) if ck.parent else None
         if parent is not None and parent.state == "committed":
             # What this checkpoint inherits (snapshot, process image, seals) is

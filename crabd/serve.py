@@ -101,7 +101,8 @@ async def serve(settings: Settings) -> None:
     opts = DaemonOptions(auto_rollback=settings.auto_rollback, snapshot_driver=settings.snapshot.driver,
                          pool_size=int(settings.snapshot.pool_size_gib * 2**30),
                          scheduler=settings.scheduler.policy(), keep_last=settings.retention.keep_last,
-                         keep_every=settings.retention.keep_every, capture=settings.capture)
+                         keep_every=settings.retention.keep_every, capture=settings.capture,
+                         oracle_dir=os.environ.get("CRABD_ORACLE") or None)
     # CRABD_INSPECTOR=proc: the /proc inspector instead of compiling the BPF
     # one (seconds of clang at start); tests of the API layer use it.
     opts.use_bpf = os.environ.get("CRABD_INSPECTOR", "bpf") != "proc"

@@ -1,0 +1,558 @@
+"""Ground truth for checkpoints: the differential oracle (issue 14).
+
+crabd's promise is that checkpoint k restores exactly the sandbox's state at
+its capture instant. This module lets a benchmark check that promise:
+
+* `record_at_capture` is the daemon's one hook (`crabd serve --oracle DIR`,
+  called from `Daemon._capture`): while the sandbox's cgroup is frozen at the
+  very instant crabd captures checkpoint k (inside crabd's own freeze for FS
+  and FS_PROC; for SKIP, which takes no freeze, inside one the oracle takes
+  right before the commit, with the inspector told as for crabd's own pause),
+  it writes DIR/<k>.json.zst: the record `read_state` makes of the live sandbox.
+* `read_state` is that record: every entry of every mount the sandbox has
+  that holds state (its root, /dev, /dev/shm, any other tmpfs or bind),
+  read from the host through /proc/<init>/root one component at a time,
+  never following the sandbox's symlinks; the processes of its cgroup (pid
+  namespace numbers, parent, comm, cmdline, signal masks); and per process
+  the application-level state instrumented workloads keep in memory (a
+  state page at `STATE_PAGE_ADDR`, and every shared memory region: SysV,
+  shared anonymous, memfd) read through /proc/<pid>/mem.
+* `compare` (pure: tested without root) tells what differs between the
+  ground truth of k and the same record taken of a fork of checkpoint k.
+  A fork runs from the moment it is restored until the benchmark freezes it,
+  so work the original had still pending (a timer due after the capture)
+  may have happened in the fork: `compare` accepts exactly that progress of
+  instrumented workers (their step count only grows and the fork's history
+  holds the original's step; their `APPEND_PREFIX` files only grew) and
+  nothing else.
+
+Process pids are those of the sandbox's pid namespace (CRIU restores them);
+zombies are left out (an init reaps them at its own pace), and so are crabd's
+own exec plumbing in /dev (`/dev/.crabd*`).
+"""
+
+from __future__ import annotations
+
+import base64
+import errno
+import json
+import os
+import stat
+import struct
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from deltafs.tree import open_rel
+
+__all__ = ["STATE_PAGE_ADDR", "STATE_PAGE_MAGIC", "APPEND_PREFIX", "Difference", "read_state", "compare",
+           "parse_state_page", "write_record", "load_record", "record_at_capture"]
+
+# Instrumented workloads (bench/oracle_agent.py) keep their state in one page
+# mapped at this fixed address, so the oracle finds it in any process.
+STATE_PAGE_ADDR = 0x6F7261000000
+STATE_PAGE_MAGIC = b"CRABORCL"
+STATE_RING = 16
+# Files whose name starts with this are append-only logs of an instrumented
+# worker: their content is kept in the record (up to APPEND_KEEP bytes) so a
+# fork that appended to them after its restore can be told from a lost write.
+APPEND_PREFIX = "oracle-bg-"
+APPEND_KEEP = 64 << 10
+
+# Mounts that hold no sandbox state a checkpoint must restore (kernel views).
+_NO_STATE_FS = {"proc", "sysfs", "devpts", "mqueue", "cgroup", "cgroup2", "securityfs", "debugfs", "tracefs",
+                "bpf", "pstore", "configfs", "fusectl", "binfmt_misc", "autofs", "hugetlbfs", "nsfs"}
+_CRABD_DEV = (".crabd",)  # /dev/.crabd-init (bind of crabd's init), /dev/.crabd (exec plumbing)
+_O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_KIND = {stat.S_IFREG: "f", stat.S_IFDIR: "d", stat.S_IFLNK: "l", stat.S_IFIFO: "p", stat.S_IFSOCK: "s",
+         stat.S_IFCHR: "c", stat.S_IFBLK: "b"}
+
+
+# --- reading the state (host side, root) ---------------------------------------------------------
+class _HashCache:
+    """Content hashes of files that did not change since `before_ns` (the
+    image's files): keyed by path, inode, size, mtime and ctime. A file the
+    session touched has a newer ctime (every write, mmap write fault
+    included, updates it) and is always read again."""
+
+    def __init__(self, before_ns: int) -> None:
+        self.before_ns = before_ns
+        self.hashes: dict[tuple[Any, ...], str] = {}
+
+
+_CACHE = _HashCache(time.time_ns())
+
+
+def _hash_file(dir_fd: int, name: bytes) -> tuple[str, bytes | None]:
+    import blake3
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    h = blake3.blake3()
+    head = bytearray()
+    keep = name.startswith(APPEND_PREFIX.encode())
+    try:
+        while True:
+            b = os.read(fd, 1 << 20)
+            if not b:
+                break
+            h.update(b)
+            if keep and len(head) < APPEND_KEEP:
+                head += b[:APPEND_KEEP - len(head)]
+    finally:
+        os.close(fd)
+    return h.hexdigest()[:32], bytes(head) if keep else None
+
+
+def _xattrs(dir_fd: int, name: bytes) -> str:
+    p = b"/proc/self/fd/%d/%s" % (dir_fd, name)
+    try:
+        names = sorted(os.listxattr(p, follow_symlinks=False))
+    except OSError as e:
+        if e.errno in (errno.ENOTSUP, errno.EPERM, errno.ENOENT):
+            return ""
+        raise
+    parts = []
+    for n in names:
+        try:
+            v = os.getxattr(p, n, follow_symlinks=False)
+        except OSError:
+            continue
+        parts.append(f"{n}={v.hex()}")
+    return ",".join(parts)
+
+
+def _describe(dir_fd: int, name: bytes, st: os.stat_result, cache: _HashCache) -> str:
+    """One entry as `kind|mode|uid:gid|nlink|size|content|target|rdev|xattrs|data` (mtimes left out:
+    a restore need not keep them; content is what matters)."""
+    kind = _KIND.get(stat.S_IFMT(st.st_mode), "?")
+    old = st.st_ctime_ns < cache.before_ns
+    key = (name, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode, st.st_uid, st.st_gid)
+    if old and key in cache.hashes and not name.startswith(APPEND_PREFIX.encode()):
+        return cache.hashes[key]
+    content = target = data = ""
+    size = st.st_size if kind in ("f", "l") else 0
+    if kind == "f":
+        content, head = _hash_file(dir_fd, name)
+        data = base64.b64encode(head).decode() if head is not None else ""
+    elif kind == "l":
+        target = os.readlink(name, dir_fd=dir_fd).hex()  # type: ignore[arg-type]
+    rdev = f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}" if kind in ("c", "b") else ""
+    xa = _xattrs(dir_fd, name) if kind in ("f", "d") else ""
+    nlink = st.st_nlink if kind != "d" else 0  # a dir's link count is the file system's business
+    desc = "|".join((kind, f"{stat.S_IMODE(st.st_mode):o}", f"{st.st_uid}:{st.st_gid}", str(nlink), str(size),
+                     content, target, rdev, xa, data))
+    if old:
+        cache.hashes[key] = desc
+    return desc
+
+
+def _walk_mount(top_fd: int, skip_top: tuple[str, ...], cache: _HashCache) -> dict[str, str]:
+    """Every entry of the file system at `top_fd`, not crossing into other
+    mounts (their points are recorded as `mount`), never following a symlink
+    (each directory is opened O_NOFOLLOW relative to its parent's fd)."""
+    out: dict[str, str] = {"": _describe_dir(os.fstat(top_fd))}
+    dev = os.fstat(top_fd).st_dev
+
+    def walk(fd: int, rel: str, depth: int) -> None:
+        with os.scandir(fd) as it:
+            names = sorted(os.fsencode(e.name) for e in it)
+        for name in names:
+            if not rel and name.decode(errors="replace").startswith(skip_top):
+                continue
+            path = f"{rel}/{os.fsdecode(name)}" if rel else os.fsdecode(name)
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode) and st.st_dev != dev:
+                    out[path] = "mount"
+                    continue
+                out[path] = _describe(fd, name, st, cache)
+                if stat.S_ISDIR(st.st_mode):
+                    if depth > 256:
+                        out[path] = "error|too deep"
+                        continue
+                    sub = os.open(name, _O_DIR, dir_fd=fd)
+                    try:
+                        walk(sub, path, depth + 1)
+                    finally:
+                        os.close(sub)
+            except OSError as e:  # replaced under us (not frozen), or unreadable
+                out[path] = f"error|{errno.errorcode.get(e.errno or 0, e.errno)}"
+
+    walk(top_fd, "", 0)
+    return out
+
+
+def _describe_dir(st: os.stat_result) -> str:
+    return f"d|{stat.S_IMODE(st.st_mode):o}|{st.st_uid}:{st.st_gid}|0|0|||||"
+
+
+def state_mounts(pid: int) -> list[tuple[str, str]]:
+    """(mount point inside the sandbox, fs type) of every mount that holds state, from its mountinfo."""
+    seen: dict[str, str] = {}
+    with open(f"/proc/{pid}/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            mp = left.split()[4].encode().decode("unicode_escape")
+            fstype = right.split()[0]
+            if fstype in _NO_STATE_FS or any(mp.startswith("/dev/" + p) for p in _CRABD_DEV) \
+                    or mp.startswith(("/proc/", "/sys/")):  # runc's masks of kernel views
+                seen.pop(mp, None)  # an over-mount hides what was below
+                continue
+            seen[mp] = fstype
+    return sorted(seen.items())
+
+
+def _status(pid: int) -> dict[str, str]:
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            out[k] = v.strip()
+    return out
+
+
+def _regions(pid: int) -> tuple[dict[str, Any] | None, dict[str, str]]:
+    """The state page (parsed) and a hash of each shared memory region of `pid`."""
+    import blake3
+    page = None
+    shared: dict[str, str] = {}
+    with open(f"/proc/{pid}/maps") as f:
+        maps = f.read().splitlines()
+    with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
+        for line in maps:
+            parts = line.split(None, 5)
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            path = parts[5] if len(parts) > 5 else ""
+            if lo == STATE_PAGE_ADDR:
+                mem.seek(lo)
+                page = parse_state_page(mem.read(4096))
+            elif parts[1][3] == "s" and (path.startswith("/SYSV") or path.startswith("/dev/zero")
+                                         or path.startswith("/memfd:")):
+                try:
+                    mem.seek(lo)
+                    data = mem.read(hi - lo)
+                except OSError:
+                    continue
+                # CRIU restores a shared anonymous region as a memfd ("/memfd:/dev/zero
+                # (deleted)"): the same memory, so named by its kind and address only
+                kind = "sysv" if path.startswith("/SYSV") else "shmem"
+                shared[f"{kind}@{lo:x}"] = blake3.blake3(data).hexdigest()[:32]
+    return page, shared
+
+
+_TIMES = 80 + 24 * STATE_RING
+
+
+def parse_state_page(b: bytes) -> dict[str, Any] | None:
+    """The state page of an instrumented worker (layout: bench/oracle_agent.py):
+    magic, step, chain hash, name, spin counter, a ring of (step, hash), then
+    the CLOCK_MONOTONIC ns at which each step of the ring ran."""
+    if len(b) < _TIMES + 8 * STATE_RING or b[:8] != STATE_PAGE_MAGIC:
+        return None
+    step, = struct.unpack_from("<Q", b, 8)
+    chain = b[16:48].hex()
+    name = b[48:64].rstrip(b"\0").decode(errors="replace")
+    spin, = struct.unpack_from("<Q", b, 64)
+    ring = []
+    for i in range(STATE_RING):
+        s, = struct.unpack_from("<Q", b, 80 + 24 * i)
+        h = b[88 + 24 * i:104 + 24 * i].hex()
+        t, = struct.unpack_from("<Q", b, _TIMES + 8 * i)
+        if s:
+            ring.append([s, h, t])
+    return {"name": name, "step": step, "hash": chain, "spin": spin, "ring": sorted(ring)}
+
+
+def read_processes(procs_file: Path) -> dict[str, dict[str, Any]]:
+    """The live processes of a cgroup, keyed by their pid in the sandbox's pid namespace."""
+    try:
+        host_pids = [int(x) for x in procs_file.read_text().split()]
+    except FileNotFoundError:
+        return {}
+    host_to_ns: dict[int, int] = {}
+    out: dict[str, dict[str, Any]] = {}
+    raw: dict[int, dict[str, str]] = {}
+    for hp in host_pids:
+        try:
+            st = _status(hp)
+        except OSError:
+            continue
+        if st.get("State", "").startswith(("Z", "X")):
+            continue
+        raw[hp] = st
+        host_to_ns[hp] = int(st["NSpid"].split()[-1])
+    for hp, st in raw.items():
+        try:
+            with open(f"/proc/{hp}/cmdline", "rb") as f:
+                cmdline = f.read().rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace")
+            page, shared = _regions(hp)
+        except OSError:
+            continue
+        ppid = int(st["PPid"])
+        out[str(host_to_ns[hp])] = {
+            "ppid": host_to_ns.get(ppid, 0), "comm": st["Name"], "cmdline": cmdline,
+            "signals": {k: st.get(k, "") for k in ("SigPnd", "ShdPnd", "SigBlk", "SigIgn")},
+            "page": page, "shared": shared}
+    return out
+
+
+def read_state(init_pid: int | None, procs_file: Path, *, cache: _HashCache | None = None) -> dict[str, Any]:
+    """The state record of a sandbox (call with it frozen): mounts, then processes."""
+    cache = cache or _CACHE
+    rec: dict[str, Any] = {"mounts": {}, "processes": {}, "errors": []}
+    if init_pid is None:
+        rec["errors"].append("no init process: the sandbox is not running")
+        return rec
+    try:
+        root_fd = os.open(f"/proc/{init_pid}/root", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        rec["errors"].append(f"/proc/{init_pid}/root: {e}")
+        return rec
+    try:
+        for mp, fstype in state_mounts(init_pid):
+            try:
+                fd = open_rel(root_fd, mp.strip("/").encode())  # O_NOFOLLOW at each step
+            except NotADirectoryError:
+                continue  # a file bind-mounted over another (runc's /dev/null masks)
+            except OSError as e:
+                rec["errors"].append(f"mount {mp}: {e}")
+                continue
+            try:
+                skip = _CRABD_DEV if mp == "/dev" else ()
+                rec["mounts"][mp] = {"fstype": fstype, "entries": _walk_mount(fd, skip, cache)}
+            finally:
+                os.close(fd)
+    finally:
+        os.close(root_fd)
+    rec["processes"] = read_processes(procs_file)
+    return rec
+
+
+def write_record(path: Path, rec: dict[str, Any]) -> None:
+    import zstandard
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(zstandard.ZstdCompressor(level=3).compress(json.dumps(rec, separators=(",", ":")).encode()))
+    os.replace(tmp, path)
+
+
+def load_record(path: Path) -> dict[str, Any]:
+    import zstandard
+    return json.loads(zstandard.ZstdDecompressor().decompressobj().decompress(path.read_bytes()))
+
+
+# --- the daemon's hook -----------------------------------------------------------------------------
+def record_at_capture(daemon: Any, ck: Any) -> None:
+    """Arrange for the ground truth of checkpoint `ck` to be recorded at its
+    capture instant (oracle mode only; called by `Daemon._capture` before it
+    decides anything, so whatever plan the capture ends with is covered):
+
+    * FS and FS_PROC: inside crabd's own freeze, just before its snapshot
+      (`fs.checkpoint(key, name=<checkpoint id>)` runs with the sandbox frozen);
+    * a checkpoint committed without a snapshot of its own (SKIP): just before
+      its commit, in a freeze the oracle takes, told to the inspector like
+      crabd's own pause (so its wake-ups are not the next turn's activity).
+
+    Both are instance attributes over the daemon's snapshotter and store,
+    set once: no other code path changes."""
+    armed = getattr(daemon, "_oracle_armed", None)
+    if armed is None:
+        armed = daemon._oracle_armed = {}
+        fs_checkpoint, commit = daemon.fs.checkpoint, daemon.store.commit_checkpoint
+
+        def checkpoint(key: str, *args: Any, **kw: Any) -> Any:
+            c = armed.pop(kw.get("name") or "", None)
+            if c is not None:
+                _record(daemon, c, frozen_by="crabd")
+            return fs_checkpoint(key, *args, **kw)
+
+        def commit_checkpoint(cid: str, **fields: Any) -> Any:
+            c = armed.pop(cid, None)
+            if c is not None:
+                _record_frozen(daemon, c)
+            return commit(cid, **fields)
+
+        daemon.fs.checkpoint, daemon.store.commit_checkpoint = checkpoint, commit_checkpoint
+    armed[ck.id] = ck
+
+
+def _record_frozen(daemon: Any, ck: Any) -> None:
+    from .runtime.cgroups import Freezer
+    try:
+        sb = daemon.runtime.get(ck.sandbox_id)
+        freezer = Freezer(daemon.runtime.layout, sb.cgroup_rel)
+        freezer.freeze()
+    except Exception:
+        _record(daemon, ck, frozen_by=None)  # not running: nothing moves
+        return
+    d: dict[str, float] = {}
+    try:
+        with daemon._inspector_pause(ck.sandbox_id, d):
+            try:
+                _record(daemon, ck, frozen_by="oracle")
+            finally:
+                freezer.thaw()
+    except Exception:
+        import logging
+        logging.getLogger(__name__).warning("oracle: recording %s failed", ck.id, exc_info=True)
+
+
+def _record(daemon: Any, ck: Any, frozen_by: str | None) -> None:
+    from .runtime.cgroups import Freezer
+    t = time.monotonic()
+    try:
+        sb = daemon.runtime.get(ck.sandbox_id)
+        pid = sb.pid if sb.status in ("running", "paused") else None  # runc says paused while frozen
+        procs = Freezer(daemon.runtime.layout, sb.cgroup_rel).dir / "cgroup.procs"
+    except Exception:
+        pid, procs = None, Path("/nonexistent")
+    rec = read_state(pid, procs)
+    rec.update(checkpoint=ck.id, sandbox=ck.sandbox_id, turn=ck.turn, plan=ck.plan, frozen_by=frozen_by,
+               wall=time.time(), mono_ns=time.monotonic_ns() - int((time.monotonic() - t) * 1e9), read_ms=round((time.monotonic() - t) * 1000, 1))
+    d = Path(daemon.options.oracle_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    write_record(d / f"{ck.id}.json.zst", rec)
+
+
+# --- comparison (pure) -----------------------------------------------------------------------------
+_FIELDS = ("kind", "mode", "owner", "nlink", "size", "content", "target", "rdev", "xattrs", "data")
+
+
+@dataclass
+class Difference:
+    """One way the restored checkpoint differs from the ground truth."""
+    where: str            # "file" | "process" | "app" | "record"
+    path: str             # mount:path, or the process's pid in the sandbox
+    what: str             # e.g. "missing in checkpoint", "content", "step 3 < 4"
+    truth: Any = None
+    restored: Any = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"where": self.where, "path": self.path, "what": self.what, "truth": self.truth,
+                "restored": self.restored}
+
+
+@dataclass
+class Progress:
+    """What a fork's workers did after the restore, as `compare` found it."""
+    advanced: set[str] = field(default_factory=set)    # worker names whose step grew
+
+
+def _fields(desc: str) -> dict[str, str]:
+    return dict(zip(_FIELDS, desc.split("|")))
+
+
+def _worker_of(path: str) -> str | None:
+    base = path.rsplit("/", 1)[-1]
+    if not base.startswith(APPEND_PREFIX):
+        return None
+    return base[len(APPEND_PREFIX):].split(".", 1)[0]
+
+
+def _grew(truth: str, restored: str) -> bool:
+    t, r = _fields(truth), _fields(restored)
+    same = all(t.get(k) == r.get(k) for k in ("kind", "mode", "owner", "target", "rdev", "xattrs"))
+    if not same or t.get("kind") != "f":
+        return False
+    tb, rb = base64.b64decode(t.get("data", "")), base64.b64decode(r.get("data", ""))
+    return len(rb) >= len(tb) and rb.startswith(tb)
+
+
+def _compare_pages(pid: str, t: dict[str, Any] | None, r: dict[str, Any] | None,
+                   out: list[Difference], prog: Progress) -> bool:
+    """True when the fork's worker ran on after the restore (its page says so)."""
+    if t is None and r is None:
+        return False
+    if t is None or r is None:
+        out.append(Difference("app", pid, "state page " + ("missing in checkpoint" if r is None else "not in truth"),
+                              t, r))
+        return False
+    if r["step"] < t["step"] or r["spin"] < t["spin"]:
+        out.append(Difference("app", pid, f"worker {t['name']} went back: step {r['step']} < {t['step']} "
+                              f"or spin {r['spin']} < {t['spin']}", t, r))
+        return False
+    if r["step"] == t["step"]:
+        if r["hash"] != t["hash"]:
+            out.append(Difference("app", pid, f"worker {t['name']}: other state at step {t['step']}", t, r))
+        return False
+    # Ran on after the restore: its history must hold the truth's step (step 0
+    # is the start; a ring that moved past it cannot tell, and is accepted).
+    ring = {s: h[:32] for s, h, *_ in r["ring"]}
+    if t["step"] and t["step"] >= min(ring, default=0) and ring.get(t["step"]) != t["hash"][:32]:
+        out.append(Difference("app", pid, f"worker {t['name']}: its history at step {t['step']} differs", t, r))
+        return False
+    prog.advanced.add(t["name"])
+    return True
+
+
+def compare(truth: dict[str, Any], restored: dict[str, Any]) -> list[Difference]:
+    """What differs between the ground truth of a checkpoint and the state of
+    its restored fork; empty when the restore is exact (up to the fork's own
+    progress since its restore: see the module docstring)."""
+    out: list[Difference] = []
+    prog = Progress()
+    tp, rp = truth.get("processes", {}), restored.get("processes", {})
+    for pid in sorted(set(tp) | set(rp), key=lambda p: int(p)):
+        t, r = tp.get(pid), rp.get(pid)
+        if r is None:
+            out.append(Difference("process", pid, "missing in checkpoint", _proc_view(t), None))
+            continue
+        if t is None:
+            out.append(Difference("process", pid, "not in truth (extra in checkpoint)", None, _proc_view(r)))
+            continue
+        for k in ("ppid", "comm", "cmdline"):
+            if t[k] != r[k]:
+                out.append(Difference("process", pid, k, t[k], r[k]))
+        ran = _compare_pages(pid, t.get("page"), r.get("page"), out, prog)
+        if t["signals"] != r["signals"] and not ran:
+            out.append(Difference("process", pid, "signals", t["signals"], r["signals"]))
+        if t.get("shared", {}) != r.get("shared", {}) and not ran:
+            out.append(Difference("app", pid, "shared memory", t.get("shared"), r.get("shared")))
+    tm, rm = truth.get("mounts", {}), restored.get("mounts", {})
+    for mp in sorted(set(tm) | set(rm)):
+        if mp not in rm:
+            out.append(Difference("file", mp + ":", "mount missing in checkpoint", tm[mp]["fstype"], None))
+            continue
+        if mp not in tm:
+            out.append(Difference("file", mp + ":", "mount not in truth", None, rm[mp]["fstype"]))
+            continue
+        te, re_ = tm[mp]["entries"], rm[mp]["entries"]
+        for path in sorted(set(te) | set(re_)):
+            a, b = te.get(path), re_.get(path)
+            if a == b:
+                continue
+            w = _worker_of(path)
+            if w is not None and w in prog.advanced and (a is None or (b is not None and _grew(a, b))):
+                continue  # the fork's worker appended after its restore
+            where = f"{mp}:{path}" if mp != "/" else f"/{path}"
+            if b is None:
+                out.append(Difference("file", where, "missing in checkpoint", _short(a), None))
+            elif a is None:
+                out.append(Difference("file", where, "not in truth (extra in checkpoint)", None, _short(b)))
+            else:
+                fa, fb = _fields(a), _fields(b)
+                diff = [k for k in _FIELDS if fa.get(k) != fb.get(k) and k != "data"] or ["data"]
+                out.append(Difference("file", where, ",".join(diff), _short(a), _short(b)))
+    for e in truth.get("errors", []):
+        out.append(Difference("record", "truth", e))
+    for e in restored.get("errors", []):
+        out.append(Difference("record", "checkpoint", e))
+    return out
+
+
+def _short(desc: str | None) -> Any:
+    if desc is None:
+        return None
+    f = _fields(desc)
+    f.pop("data", None)
+    return {k: v for k, v in f.items() if v}
+
+
+def _proc_view(p: dict[str, Any] | None) -> Any:
+    if p is None:
+        return None
+    return {"comm": p["comm"], "cmdline": p["cmdline"][:120], "ppid": p["ppid"]}
+
+
+def iter_records(directory: Path) -> Iterator[tuple[str, Path]]:
+    for p in sorted(directory.glob("*.json.zst")):
+        yield p.name[:-len(".json.zst")], p

@@ -1,0 +1,175 @@
+"""The oracle's comparison (crabd/oracle.py): pure, on hand-made records;
+and its tree walk on a plain directory (no root)."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import os
+import struct
+
+from crabd.oracle import (APPEND_PREFIX, STATE_PAGE_MAGIC, STATE_RING, _HashCache, _walk_mount, compare,
+                          parse_state_page)
+
+
+def _file(content: str, data: bytes | None = None, mode: str = "644") -> str:
+    d = base64.b64encode(data).decode() if data is not None else ""
+    return f"f|{mode}|0:0|1|{len(content)}|{content}||||{d}"
+
+
+def _page(name: str, step: int, h: str, ring: list[tuple[int, str]], spin: int = 0) -> dict:
+    return {"name": name, "step": step, "hash": h, "spin": spin, "ring": [[s, x, 0] for s, x in ring]}
+
+
+def _record(**kw) -> dict:
+    rec = {"mounts": {"/": {"fstype": "btrfs", "entries": {"": "d|755|0:0|0|0|||||", "work/a": _file("aa")}},
+                      "/dev/shm": {"fstype": "tmpfs", "entries": {"": "d|1777|0:0|0|0|||||"}}},
+           "processes": {"1": {"ppid": 0, "comm": "init", "cmdline": "/dev/.crabd-init",
+                               "signals": {"SigPnd": "0", "ShdPnd": "0", "SigBlk": "0", "SigIgn": "0"},
+                               "page": None, "shared": {}}},
+           "errors": []}
+    rec.update(kw)
+    return rec
+
+
+def _with_worker(rec: dict, page: dict, log: bytes | None = None, shared: dict | None = None) -> dict:
+    rec = copy.deepcopy(rec)
+    rec["processes"]["7"] = {"ppid": 1, "comm": "ow-w1", "cmdline": "python3 agent.py spawn w1",
+                             "signals": {"SigPnd": "0", "ShdPnd": "0", "SigBlk": "0", "SigIgn": "0"},
+                             "page": page, "shared": shared or {}}
+    if log is not None:
+        rec["mounts"]["/dev/shm"]["entries"][f"{APPEND_PREFIX}w1.log"] = _file(log.hex(), log)
+    return rec
+
+
+def test_identical_records_have_no_difference():
+    assert compare(_record(), _record()) == []
+
+
+def test_a_lost_file_and_a_changed_one_are_reported_with_their_mount():
+    truth = _record()
+    truth["mounts"]["/dev/shm"]["entries"]["x"] = _file("xx")
+    restored = _record()
+    restored["mounts"]["/"]["entries"]["work/a"] = _file("bb")
+    d = compare(truth, restored)
+    assert [(x.where, x.path, x.what) for x in d] == [("file", "/work/a", "content"),
+                                                       ("file", "/dev/shm:x", "missing in checkpoint")]
+
+
+def test_a_missing_mount_and_a_missing_process_are_reported():
+    restored = _record()
+    del restored["mounts"]["/dev/shm"]
+    restored["processes"] = {}
+    whats = {(x.where, x.what) for x in compare(_record(), restored)}
+    assert ("file", "mount missing in checkpoint") in whats
+    assert ("process", "missing in checkpoint") in whats
+
+
+def test_a_pending_signal_lost_is_a_difference():
+    truth = _record()
+    truth["processes"]["1"]["signals"]["SigPnd"] = "0000000000000800"
+    assert [x.what for x in compare(truth, _record())] == ["signals"]
+
+
+def test_a_worker_that_ran_on_after_the_restore_is_accepted():
+    truth = _with_worker(_record(), _page("w1", 2, "b" * 64, [(1, "a" * 32), (2, "b" * 32)]), b"t1\nt2\n")
+    restored = _with_worker(_record(), _page("w1", 3, "c" * 64, [(1, "a" * 32), (2, "b" * 32), (3, "c" * 32)]),
+                            b"t1\nt2\nt3\n", shared={"sysv@1": "other"})
+    assert compare(truth, restored) == []
+
+
+def test_a_worker_restored_from_before_its_step_is_reported():
+    truth = _with_worker(_record(), _page("w1", 2, "b" * 64, [(1, "a" * 32), (2, "b" * 32)]))
+    went_back = _with_worker(_record(), _page("w1", 1, "a" * 64, [(1, "a" * 32)]))
+    assert "went back" in compare(truth, went_back)[0].what
+    # the step ran again after the restore, with another token: not the same history
+    redone = _with_worker(_record(), _page("w1", 2, "d" * 64, [(1, "a" * 32), (2, "d" * 32)]))
+    assert "other state at step 2" in compare(truth, redone)[0].what
+    redone_on = _with_worker(_record(), _page("w1", 3, "e" * 64, [(1, "a" * 32), (2, "d" * 32), (3, "e" * 32)]))
+    assert "history at step 2 differs" in compare(truth, redone_on)[0].what
+
+
+def test_a_worker_log_that_lost_a_line_is_reported_even_when_the_worker_ran_on():
+    truth = _with_worker(_record(), _page("w1", 2, "b" * 64, [(1, "a" * 32), (2, "b" * 32)]), b"t1\nt2\n")
+    restored = _with_worker(_record(), _page("w1", 3, "c" * 64, [(1, "a" * 32), (2, "b" * 32), (3, "c" * 32)]),
+                            b"t1\nt3\n")
+    d = compare(truth, restored)
+    assert [(x.path, x.what) for x in d] == [(f"/dev/shm:{APPEND_PREFIX}w1.log", "content")]
+
+
+def test_shared_memory_differs_only_counts_when_the_worker_did_not_run():
+    truth = _with_worker(_record(), _page("w1", 1, "a" * 64, [(1, "a" * 32)]), shared={"sysv@1": "x"})
+    restored = _with_worker(_record(), _page("w1", 1, "a" * 64, [(1, "a" * 32)]), shared={"sysv@1": "y"})
+    assert [x.what for x in compare(truth, restored)] == ["shared memory"]
+
+
+def test_record_errors_are_differences():
+    assert [x.where for x in compare(_record(errors=["no init"]), _record())] == ["record"]
+
+
+def test_state_page_layout():
+    page = bytearray(4096)
+    page[:8] = STATE_PAGE_MAGIC
+    struct.pack_into("<Q", page, 8, 5)
+    page[16:48] = b"\x11" * 32
+    page[48:50] = b"w9"
+    struct.pack_into("<Q", page, 64, 1234)
+    struct.pack_into("<Q", page, 80 + 24 * 5, 5)
+    page[88 + 24 * 5:104 + 24 * 5] = b"\x22" * 16
+    struct.pack_into("<Q", page, 80 + 24 * STATE_RING + 8 * 5, 99)
+    p = parse_state_page(bytes(page))
+    assert p == {"name": "w9", "step": 5, "hash": "11" * 32, "spin": 1234, "ring": [[5, "22" * 16, 99]]}
+    assert parse_state_page(b"\0" * 4096) is None
+
+
+def test_walk_never_follows_symlinks_nor_opens_fifos(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "f").write_bytes(b"hello")
+    (tmp_path / "link").symlink_to("/etc")
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / f"{APPEND_PREFIX}w.log").write_bytes(b"t1\n")
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        e = _walk_mount(fd, (), _HashCache(0))
+    finally:
+        os.close(fd)
+    assert set(e) == {"", "d", "d/f", "link", "fifo", f"{APPEND_PREFIX}w.log"}
+    assert e["link"].split("|")[0] == "l" and bytes.fromhex(e["link"].split("|")[6]) == b"/etc"
+    assert e["fifo"].split("|")[0] == "p"
+    assert base64.b64decode(e[f"{APPEND_PREFIX}w.log"].split("|")[9]) == b"t1\n"
+    # a changed file with the same name and size has another content hash
+    before = e["d/f"]
+    (tmp_path / "d" / "f").write_bytes(b"HELLO")
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert _walk_mount(fd, (), _HashCache(0))["d/f"] != before
+    finally:
+        os.close(fd)
+
+
+def test_the_daemon_hook_records_at_the_snapshot_or_at_a_snapshotless_commit(tmp_path):
+    from types import SimpleNamespace
+
+    from crabd.oracle import load_record, record_at_capture
+    calls: list[str] = []
+
+    class Runtime:
+        def get(self, sid):
+            raise LookupError(sid)  # not running: recorded without a freeze
+
+    daemon = SimpleNamespace(
+        options=SimpleNamespace(oracle_dir=str(tmp_path)), runtime=Runtime(),
+        fs=SimpleNamespace(checkpoint=lambda key, name=None: calls.append(f"snapshot {name}")),
+        store=SimpleNamespace(commit_checkpoint=lambda cid, **f: calls.append(f"commit {cid}")))
+    fs_ck = SimpleNamespace(id="sb-1", sandbox_id="sb", turn=1, plan="FS")
+    skip_ck = SimpleNamespace(id="sb-2", sandbox_id="sb", turn=2, plan="SKIP")
+    record_at_capture(daemon, fs_ck)
+    daemon.fs.checkpoint("key", name="sb-1")
+    assert (tmp_path / "sb-1.json.zst").exists()
+    daemon.store.commit_checkpoint("sb-1")
+    record_at_capture(daemon, skip_ck)
+    assert not (tmp_path / "sb-2.json.zst").exists()
+    daemon.store.commit_checkpoint("sb-2")
+    rec = load_record(tmp_path / "sb-2.json.zst")
+    assert (rec["checkpoint"], rec["plan"], rec["frozen_by"]) == ("sb-2", "SKIP", None)
+    assert calls == ["snapshot sb-1", "commit sb-1", "commit sb-2"]
