@@ -634,10 +634,13 @@ class Bench:
             if ck["plan"] != "SKIP" and total is not None:
                 rec.ckpt_ms.append(total * 1000)
 
-    def finish_sizing(self, timeout: float = 120) -> None:
+    def finish_sizing(self, timeout: float = 1800) -> None:
         """Wait for the daemon to size the fault-free runs' checkpoints (idle
         work; a rollback cancels it, so faulted runs are not sized), count
-        them, destroy those sandboxes."""
+        them, destroy those sandboxes. The wait is long on purpose: sizing
+        runs at the lowest CPU priority, and `full` has a snapshot to size at
+        every turn; a baseline counted in part spoils the ratio against it (a
+        run that still times out says so in its note)."""
         deadline = time.monotonic() + timeout
         for rec, box, last_turn in self.unsized:
             try:

@@ -266,8 +266,8 @@ def report_md(result: dict[str, Any], argv: list[str]) -> str:
         wrong = [(m, r["wrong"]) for m, r in result["methods"].items() if r["wrong"]]
         if wrong:
             lines += ["", "Wrong recoveries:", ""] + [f"- {m}: {', '.join(w)}" for m, w in wrong]
-        notes = [f"- {r['method']} {r['trace']} {r['fault']}@{r['k']}: {r['note']}"
-                 for r in result.get("runs", []) if r.get("note")]
+        notes = [f"- {r['method']} {r['trace']} " + (f"{r['fault']}@{r['k']}" if r["fault"] else "fault-free")
+                 + f": {r['note']}" for r in result.get("runs", []) if r.get("note")]
         if notes:
             lines += ["", "Notes:", ""] + notes
     if result.get("chain"):
