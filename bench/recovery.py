@@ -944,6 +944,13 @@ def main() -> int:
                                 k = longest_middle_turn(ref)
                             if f == "daemon" and k is None and m not in DAEMON_METHODS:
                                 k = b.k_daemon.get(t.name, len(t.turns) // 2)
+                            if m in DAEMON_METHODS and f == "daemon" and b.unsized:
+                                # A restart queues the sizing still pending with the
+                                # raw image bytes (Daemon._resize_unsized), not the
+                                # bytes the store wrote: count the kept fault-free
+                                # runs before this fault kills the daemon.
+                                bar.describe(f"{m}: waiting for checkpoint sizes before the daemon fault")
+                                b.finish_sizing()
                             bar.describe(f"{m} {t.name} {f}@{k if k is not None else 'auto'}")
                             try:
                                 if m in DAEMON_METHODS:
