@@ -52,6 +52,8 @@ from crabd.runtime.process import _scratch  # noqa: E402
 from deltacr import ImageStore  # noqa: E402
 from deltafs import Mount  # noqa: E402
 
+from _stats import percentile as pct  # noqa: E402  (bench/_stats.py: nearest rank, p in 0..100)
+
 HEAP = r'''
 import os, time
 heap = bytearray(os.urandom(200 << 20))
@@ -61,12 +63,6 @@ while True:
     i += 1
     time.sleep(0.05)
 '''
-
-
-def pct(xs: list[float], p: float) -> float:
-    s = sorted(xs)
-    k = max(0, min(len(s) - 1, int(round(p / 100 * len(s) + 0.5)) - 1))
-    return s[k]
 
 
 def busybox_image(rt: Runtime) -> str:

@@ -47,6 +47,7 @@ import httpx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from crabd.testing import DaemonHandle, busybox_rootfs, cleanup_state_dir  # noqa: E402
+from _stats import percentile  # noqa: E402
 
 
 class Service:
@@ -204,8 +205,9 @@ def turn_overhead(base: str, n: int = 200) -> dict[str, float]:
 
 
 def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return round(xs[min(len(xs) - 1, int(q * len(xs)))] * 1000, 2) if xs else 0.0
+    """The nearest-rank percentile of bench/_stats.py (q a fraction) of seconds, in ms (0.0: no samples)."""
+    v = percentile(xs, q * 100)
+    return round(v * 1000, 2) if v is not None else 0.0
 
 
 def main() -> int:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import shutil
@@ -43,16 +42,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deltafs  # noqa: E402
+from _stats import percentile as pct  # noqa: E402  (bench/_stats.py: nearest rank, p in 0..100)
 
 FREEZER = "/sys/fs/cgroup/freezer"
 CLASSES = ["0", "1", "100", "10000", "1MiB", "256MiB"]
-
-
-def pct(xs: list[float], p: float) -> float:
-    """Nearest-rank percentile."""
-    s = sorted(xs)
-    k = max(0, min(len(s) - 1, math.ceil(p / 100 * len(s)) - 1))
-    return s[k]
 
 
 def summary(xs: list[float]) -> dict[str, float]:

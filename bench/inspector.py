@@ -45,7 +45,6 @@ import json
 import os
 import platform
 import resource
-import statistics
 import subprocess
 import sys
 import tarfile
@@ -57,6 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ebpf import BPFUnavailable, Inspector, PlanKind, classify  # noqa: E402
 from ebpf.testing import LABELLED_TURNS, CgroupCell, TestPeer  # noqa: E402
+from _stats import median  # noqa: E402
 
 RANK = {PlanKind.SKIP: 0, PlanKind.FS: 1, PlanKind.FS_PROC: 2}
 
@@ -243,10 +243,10 @@ def overhead(work: Path, quick: bool, runs: int) -> dict:
                             turns.append(info)
                         wall[mode].append(w)
                         cpu[mode].append(c)
-                bw, iw = statistics.median(wall["base"]), statistics.median(wall["insp"])
-                bc, ic = statistics.median(cpu["base"]), statistics.median(cpu["insp"])
-                bpf_ms = statistics.median(t["bpf_ms"] for t in turns)
-                poll_ms = statistics.median(t["poller_ms"] for t in turns)
+                bw, iw = median(wall["base"]), median(wall["insp"])
+                bc, ic = median(cpu["base"]), median(cpu["insp"])
+                bpf_ms = median(t["bpf_ms"] for t in turns)
+                poll_ms = median(t["poller_ms"] for t in turns)
                 out[name] = {
                     "baseline_s": round(bw, 4),
                     "inspected_s": round(iw, 4),

@@ -47,19 +47,13 @@ from crabd.errors import CrabdError, NotFound  # noqa: E402
 from crabd.testing import DaemonHandle, cleanup_state_dir  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
+from _stats import quantiles  # noqa: E402  (nearest rank)
 from hostile import import_busybox  # noqa: E402
-
-
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return round(xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))], 2)
 
 
 def summary_ms(xs: list[float]) -> dict[str, Any]:
     ms = [x * 1000 for x in xs]
-    return {"n": len(ms), "p50": pct(ms, 0.5), "p90": pct(ms, 0.9), "p99": pct(ms, 0.99),
+    return {"n": len(ms), **quantiles(ms, (50, 90, 99), 2),
             "max": round(max(ms), 2) if ms else None}
 
 

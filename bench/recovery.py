@@ -21,9 +21,11 @@ For every trace (bench/traces/*.json, format in README.md "Traces"):
 Methods: `chat-only` (a fresh sandbox from the image with the task's files and
 setup, then the next turn: a framework that saved only the transcript),
 `replay` (the same, then every earlier turn re-run, without LLM waits),
-`full` (`crabd serve --capture full`: a CRIU dump and a copy of every changed
-file at every turn), `crabd-fs` (`--capture fs-only`: never process images),
-`crabd` (`--capture auto`). The crabd methods recover on their own: the
+`full` (`crabd serve --capture full`: every turn an FS snapshot and a CRIU
+dump, through the same snapshots and de-duplicating, compressing image store
+as crabd, and counted the same way: the fair baseline, see "Bytes" below),
+`crabd-fs` (`--capture fs-only`: never process images), `crabd`
+(`--capture auto`). The crabd methods recover on their own: the
 agent waits for the daemon's `sandbox.rolled_back` event and goes on after
 the turn of the checkpoint it restored (re-issuing later commands, as an
 agent that keeps its transcript would; an unknown turn means the interrupted
@@ -35,7 +37,15 @@ Faults (`--faults`):
 - `mid-turn`: the same kill at a seeded random instant inside turn k's
   command (20-80 % of its fault-free duration); the agent retries turn k;
 - `daemon`: kill -9 of crabd right after turn k's reply, while its
-  checkpoint is being captured, then a restart. chat-only and replay own no
+  checkpoint is being captured, then a restart. Then the state is checked
+  three times against the per-turn reference digests (a bare run with a
+  digest after every turn, `recovery_chain.reference`): the live sandbox
+  (it kept running: turn k's state), a rollback to the recovery target
+  (`rollback` with no checkpoint: the newest complete checkpoint, what
+  automatic recovery picks) and a rollback to an older checkpoint (the
+  newest one before the target's turn); the agent goes on from the older
+  one. Each check is in the run's `rollback_checks`; a failed one makes the
+  run wrong even if the end state is right. chat-only and replay own no
   daemon: for them the process that owned the sandbox died, so the sandbox
   is lost, which is the `boundary` case.
 Full mode: every fault at every turn k. `--quick`: at most 3 traces (a fixed
@@ -43,6 +53,21 @@ list), one fault each in rotation (with fewer traces than faults, a trace
 takes several); k = the middle turn (boundary), the
 longest command of the middle third (mid-turn), the first turn from the
 middle on whose plan is not SKIP in crabd's run (daemon).
+
+Bytes: each daemon method starts with an empty process-image store (the
+daemon is stopped and the store's chunks collected), so no method
+de-duplicates against another's images. `full` is what one would ship as
+"checkpoint everything every turn" with the machinery crabd has: a
+copy-on-write snapshot of the files and a CRIU dump into the chunked, zstd,
+de-duplicated store at every turn, its bytes counted exactly as crabd's are
+(the snapshot's bytes over its parent + the store's new bytes). So
+`bytes_vs_full_pct` is what crabd's plans save over dumping everything, and
+nothing else. The naive figure is kept beside it (`bytes_vs_full_raw_pct`,
+`full.bytes_naive_raw`): per `full` checkpoint, the raw CRIU image plus a
+tar of every file that differs from the image, as `docker commit` /
+`podman checkpoint --export` per turn would write; computed after the run
+(untimed) from the checkpoint's diff against the sandbox's image and the
+image store's manifest, with tar's own header and padding sizes.
 """
 
 from __future__ import annotations
@@ -52,7 +77,6 @@ import json
 import os
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -99,12 +123,46 @@ done | sha256sum | cut -c1-64
 
 Verdict = tuple[list[tuple[int, str]], str]
 
+_TAR_TYPES = {"file": b"0", "dir": b"5", "symlink": b"2", "fifo": b"6", "char": b"3", "block": b"4"}
 
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return round(xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))], 3)
+
+def tar_bytes(changes: list[dict[str, Any]]) -> int:
+    """The size of the PAX tar, as Python's tarfile writes it, of what a
+    checkpoint diff against the image names (`changes`: kind, path, type,
+    size, as `GET /v1/checkpoints/{a}/diff/{b}` gives them): one member per
+    entry still there (sockets have nothing to copy), file data padded to
+    512 bytes, deletions listed in a member `.crabd-deleted`, the end blocks
+    and the padding to tar's 10 KiB record. This is the tar `full` wrote at
+    every turn before it became the fair baseline (`write_full_copy`,
+    stat mtimes as floats: a PAX header per member), computed from the
+    format's sizes instead of written. Pure."""
+    import base64
+    import tarfile
+    total = 0
+    deleted: list[bytes] = []
+    for ch in changes:
+        path = base64.b64decode(ch["path_b64"]) if "path_b64" in ch else ch["path"].encode()
+        if ch["kind"] == "deleted":
+            deleted.append(path)
+            continue
+        if ch["type"] not in _TAR_TYPES:
+            continue
+        ti = tarfile.TarInfo(path.decode("utf-8", "surrogateescape"))
+        ti.type = _TAR_TYPES[ch["type"]]
+        ti.mtime = 1.5   # a float, as a stat gives it
+        if ch["type"] == "file":
+            ti.size = ch["size"]
+            total += -(-ch["size"] // 512) * 512
+        elif ch["type"] == "symlink":
+            ti.linkname = "x" * ch["size"]   # a symlink's size is its target's length
+        total += len(ti.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"))
+    if deleted:
+        body = b"\n".join(deleted) + b"\n"
+        ti = tarfile.TarInfo(".crabd-deleted")
+        ti.size = len(body)
+        total += len(ti.tobuf(tarfile.PAX_FORMAT)) + -(-len(body) // 512) * 512
+    total += 2 * 512   # the end-of-archive blocks
+    return -(-total // tarfile.RECORDSIZE) * tarfile.RECORDSIZE
 
 
 def last_seq(c: Any, sid: str) -> int:
@@ -137,6 +195,13 @@ class RunRecord:
     external_calls: int = 0          # distinct external calls that reached the outside world
     duplicate_calls: int = 0         # repeats of one of them (a side effect done twice)
     rep: int = 0                     # the round of a fault-free run (--reps)
+    inspector: str = ""              # the inspector the daemon used (its health), "" on a bare runtime
+    bytes_naive_raw: int = 0         # full: raw CRIU images + a tar of the files changed vs the image
+    bytes_by_plan: dict[str, int] = field(default_factory=dict)
+    # daemon fault: the state after the restart, after a rollback to the
+    # recovery target and after one to an older checkpoint, against the
+    # per-turn reference: {"what", "checkpoint", "turn", "pos", "ok", "error"}
+    rollback_checks: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -213,6 +278,8 @@ class Bench:
         self._client: Any = None
         self._client_key: tuple[int, int] | None = None
         self.killed_at: float | None = None   # wall time of the last kill_all
+        self.step_digests: dict[str, list[str]] = {}   # trace -> reference digest after setup (0) and each turn
+        self.inspector_used = ""   # the running daemon's inspector, from its health
         self.capture_flag = "--capture" in subprocess.run([CRABD, "serve", "--help"], capture_output=True,
                                                           text=True, timeout=60).stdout
 
@@ -242,8 +309,30 @@ class Bench:
         env = {"CRABD_INSPECTOR": "proc"} if self.a.inspector == "proc" else None
         self.dh = DaemonHandle(self.state, args=args, env=env)
         self.dh.start()
+        self.inspector_used = self.used_inspector()
+
+    def used_inspector(self) -> str:
+        """The inspector the running daemon really uses, from its health:
+        `bpf-cgroup`, `bpf-pids`, or `proc` -- the /proc fallback, also when
+        BPF was asked for and could not be loaded (a silent fallback would
+        otherwise be measured as if it were the BPF inspector)."""
+        try:
+            return str(self.client().health().get("inspector") or "unknown")
+        except CrabdError as e:
+            return f"unknown ({e})"
+
+    def fresh_image_store(self) -> None:
+        """Empty the process-image store between daemon methods (no daemon
+        runs; the previous one deleted its sandboxes, so no manifest names a
+        chunk): each method's dumps de-duplicate against its own images only,
+        never against chunks another method left."""
+        from deltacr import ImageStore
+        if (self.state / "cr").is_dir():
+            ImageStore(self.state / "cr").gc(grace=0)
 
     def serve_method(self, method: str) -> None:
+        self.stop_daemon()
+        self.fresh_image_store()
         if not self.capture_flag:
             if method != "crabd":
                 raise SystemExit(f"method {method!r} needs `crabd serve --capture {CAPTURE[method]}`, which this "
@@ -468,7 +557,7 @@ class Bench:
     def run_daemon(self, t: Trace, method: str, fault: str | None = None, k: int | None = None,
                    ref: RunRecord | None = None, quick: bool = False) -> tuple[RunRecord, Verdict]:
         assert self.dh is not None
-        rec = RunRecord(t.name, method, fault, k)
+        rec = RunRecord(t.name, method, fault, k, inspector=self.inspector_used)
         self.outside.take()  # a count of this run only
         box = self.daemon_box(t.image)
         kept = False
@@ -540,14 +629,18 @@ class Bench:
             if ck["state"] != "committed" or ck["turn"] > last_turn:
                 continue
             rec.bytes += ck["bytes"] or 0
+            rec.bytes_by_plan[ck["plan"]] = rec.bytes_by_plan.get(ck["plan"], 0) + (ck["bytes"] or 0)
             total = (ck.get("durations") or {}).get("total")
             if ck["plan"] != "SKIP" and total is not None:
                 rec.ckpt_ms.append(total * 1000)
 
-    def finish_sizing(self, timeout: float = 120) -> None:
+    def finish_sizing(self, timeout: float = 1800) -> None:
         """Wait for the daemon to size the fault-free runs' checkpoints (idle
         work; a rollback cancels it, so faulted runs are not sized), count
-        them, destroy those sandboxes."""
+        them, destroy those sandboxes. The wait is long on purpose: sizing
+        runs at the lowest CPU priority, and `full` has a snapshot to size at
+        every turn; a baseline counted in part spoils the ratio against it (a
+        run that still times out says so in its note)."""
         deadline = time.monotonic() + timeout
         for rec, box, last_turn in self.unsized:
             try:
@@ -558,12 +651,34 @@ class Bench:
                 if unsized:
                     rec.note = f"{len(unsized)} checkpoints not sized in time: {unsized[:5]}"
                 self.count(rec, cks, last_turn)
+                if rec.method == "full":
+                    self.count_naive(rec, box.sid, cks, last_turn)
             finally:
                 try:
                     box.destroy()
                 except CrabdError as e:
                     print(f"destroying {box.sid}: {e}", file=sys.stderr)
         self.unsized = []
+
+    def count_naive(self, rec: RunRecord, sid: str, cks: list[dict[str, Any]], last_turn: int) -> None:
+        """`full`'s naive raw figure (module doc, "Bytes"): per counted
+        checkpoint, its CRIU image's raw bytes (the image store's manifest)
+        plus the tar of its files that differ from the image (`tar_bytes` of
+        the daemon's diff against the sandbox's initial checkpoint). After
+        the run, untimed."""
+        from deltacr import ImageStore
+        store = ImageStore(self.state / "cr")
+        c = self.client()
+        for ck in cks:
+            if ck["state"] != "committed" or ck["turn"] > last_turn or ck["seq"] == 0:
+                continue
+            if ck.get("proc_image") == ck["id"]:
+                rec.bytes_naive_raw += store.manifest(ck["id"]).raw_bytes
+            if ck.get("fs_snapshot") == ck["id"]:
+                d = c.diff(f"{sid}-0", ck["id"], limit=1_000_000)
+                if d["truncated"]:
+                    rec.note += f"; {ck['id']}: diff truncated at {len(d['changes'])} of {d['total']} changes"
+                rec.bytes_naive_raw += tar_bytes(d["changes"])
 
     def fault_here(self, t: Trace, fault: str | None, k: int | None, pos: int, r: dict[str, Any],
                    quick: bool) -> bool:
@@ -599,13 +714,83 @@ class Bench:
         self.dh.start()
         rec.rollback_ms = (time.monotonic() - tk) * 1000
         c = self.client()
+        used = self.used_inspector()
+        if used != self.inspector_used:
+            rec.inspector = f"{self.inspector_used}, then {used}"   # the restart changed it
+            self.inspector_used = used
         ck = c.checkpoint(r["checkpoint"])
         rec.note = f"turn {rec.k}'s {r['plan']} checkpoint was {ck['state']} after the restart"
         rolled = [e for e in c.events(since=since, sandbox=box.sid) if e["kind"] == "sandbox.rolled_back"]
         if rolled:
             turn = int(c.checkpoint(rolled[-1]["data"]["checkpoint"])["turn"])
-            return pos_of.get(turn, pos)
-        return pos
+            pos = pos_of.get(turn, pos)
+        return self.check_rollbacks(t, box, pos, pos_of, rec)
+
+    def check_rollbacks(self, t: Trace, box: Box, pos: int, pos_of: dict[int, int], rec: RunRecord) -> int:
+        """After a daemon restart: the live sandbox's state, then a rollback
+        to the recovery target (no checkpoint named: what automatic recovery
+        picks) and one to an older checkpoint (the newest one before the
+        target's turn), each against the per-turn reference digests
+        (`rec.rollback_checks`). A restart must leave every checkpoint a
+        rollback can reach whole, not only the running sandbox. Returns the
+        trace position the agent goes on from: the older checkpoint's."""
+        digests = self.step_digests.get(t.name)
+        if digests is None:
+            rec.note += "; no per-turn reference: the rollbacks after the restart were not checked"
+            return pos
+        c = self.client()
+        self.check_state(t, box, "live after the restart", None, pos, pos_of, digests, rec)
+        limit = pos
+        try:
+            target = c.rollback(box.sid)
+        except CrabdError as e:
+            rec.rollback_checks.append({"what": "recovery target", "checkpoint": None, "turn": None, "pos": None,
+                                        "ok": False, "error": f"rollback failed: {e}"})
+        else:
+            tpos = pos_of.get(int(target["turn"]))
+            self.check_state(t, box, "recovery target", target["checkpoint"], tpos, pos_of, digests, rec,
+                             turn=int(target["turn"]))
+            limit = tpos if tpos is not None else pos
+        # (not seq 0: the image before the task's setup, which no trace position is)
+        older = [x for x in c.checkpoints(box.sid, all=True)
+                 if x["state"] == "committed" and x["seq"] > 0 and x["turn"] in pos_of and pos_of[x["turn"]] < limit]
+        if not older:
+            rec.note += f"; no checkpoint older than position {limit} to roll back to"
+            return limit
+        o = max(older, key=lambda x: x["seq"])
+        try:
+            c.rollback(box.sid, o["id"])
+        except CrabdError as e:
+            rec.rollback_checks.append({"what": "older checkpoint", "checkpoint": o["id"], "turn": o["turn"],
+                                        "pos": pos_of[o["turn"]], "ok": False, "error": f"rollback failed: {e}"})
+            raise RuntimeError(f"{t.name}: rollback of {box.sid} to {o['id']} after the restart failed: {e}") from e
+        self.check_state(t, box, "older checkpoint", o["id"], pos_of[o["turn"]], pos_of, digests, rec,
+                         turn=o["turn"])
+        return pos_of[o["turn"]]
+
+    def check_state(self, t: Trace, box: Box, what: str, cid: str | None, pos: int | None, pos_of: dict[int, int],
+                    digests: list[str], rec: RunRecord, turn: int | None = None) -> None:
+        """One entry of `rec.rollback_checks`: the state digest now against
+        the reference's after `pos` trace turns. The digest is an exec, so a
+        turn of its own: it is mapped to `pos` (the agent goes on from there)."""
+        entry: dict[str, Any] = {"what": what, "checkpoint": cid, "turn": turn, "pos": pos, "ok": False,
+                                 "error": ""}
+        rec.rollback_checks.append(entry)
+        try:
+            r = box.run(["/bin/sh", "-c", DIGEST_SH, "digest", *t.state_paths], env={"CRABD_DIGEST_PY": DIGEST_PY})
+        except CrabdError as e:
+            entry["error"] = f"the digest exec failed: {e}"
+            return
+        if pos is not None:
+            pos_of[r["turn"]] = pos
+        if r["exit_code"] != 0:
+            entry["error"] = f"the digest exec exited {r['exit_code']}: {r.get('stderr', '')[-300:]}"
+        elif pos is None:
+            entry["error"] = f"checkpoint {cid} is of turn {turn}, which is none of the trace's"
+        elif r["stdout"].strip() != digests[pos]:
+            entry["error"] = f"state differs from the reference after {pos} turns"
+        else:
+            entry["ok"] = True
 
 
 # -- the runs -----------------------------------------------------------------------------------------------
@@ -729,6 +914,15 @@ def main() -> int:
                                          f"(or its state differs between fault-free runs): {v[0]}")
                     refs.setdefault(t.name, (rec, v))
                     step(rec)
+                    if rep == reps - 1 and t.name not in b.step_digests and any(
+                            ft is t and f == "daemon" for ft, f, _ in fault_runs) and set(methods) & set(DAEMON_METHODS):
+                        # the daemon fault's rollbacks are checked against the
+                        # state after each turn: an untimed bare run with a digest
+                        # after every turn (before any daemon runs: a restarted
+                        # daemon would reap a bare sandbox it does not know)
+                        import recovery_chain
+                        bar.describe(f"reference {t.name}: a digest after every turn")
+                        b.step_digests[t.name] = recovery_chain.reference(b, t)[0]
                 for m in order:
                     last = rep == reps - 1
                     if m not in DAEMON_METHODS and not last:
@@ -750,12 +944,27 @@ def main() -> int:
                                 k = longest_middle_turn(ref)
                             if f == "daemon" and k is None and m not in DAEMON_METHODS:
                                 k = b.k_daemon.get(t.name, len(t.turns) // 2)
+                            if m in DAEMON_METHODS and f == "daemon" and b.unsized:
+                                # A restart queues the sizing still pending with the
+                                # raw image bytes (Daemon._resize_unsized), not the
+                                # bytes the store wrote: count the kept fault-free
+                                # runs before this fault kills the daemon.
+                                bar.describe(f"{m}: waiting for checkpoint sizes before the daemon fault")
+                                b.finish_sizing()
                             bar.describe(f"{m} {t.name} {f}@{k if k is not None else 'auto'}")
-                            if m in DAEMON_METHODS:
-                                rec, got = b.run_daemon(t, m, f, k, ref, quick=a.quick and f == "daemon")
-                            else:
-                                rec, got = b.run_bare(t, m, f, k, ref)
-                            rec.correct = b.correct(t, got, v)
+                            try:
+                                if m in DAEMON_METHODS:
+                                    rec, got = b.run_daemon(t, m, f, k, ref, quick=a.quick and f == "daemon")
+                                else:
+                                    rec, got = b.run_bare(t, m, f, k, ref)
+                                # right = the end state, and every state checked on the way
+                                rec.correct = b.correct(t, got, v) and all(ch["ok"] for ch in rec.rollback_checks)
+                            except (CrabdError, RuntimeError) as e:
+                                # a recovery that breaks the session is a wrong
+                                # recovery, reported; the other runs go on
+                                rec = RunRecord(t.name, m, f, k if k is not None else b.k_daemon.get(t.name),
+                                                correct=False, inspector=b.inspector_used if m in DAEMON_METHODS
+                                                else "", note=f"the run failed: {type(e).__name__}: {e}")
                             step(rec)
                     if m in DAEMON_METHODS:
                         bar.describe(f"{m}: waiting for checkpoint sizes")
@@ -773,7 +982,7 @@ def run_chained(b: Bench, traces: list[Trace], methods: list[str], faults: list[
     """--chain: per trace a reference with a digest after every turn, then per
     crabd method and fault one run with the fault at every point."""
     import recovery_chain as chain
-    from recovery_report import progress
+    from recovery_report import inspector_fields, progress
     dms = [m for m in DAEMON_METHODS if m in methods]
     if not dms or not faults:
         raise SystemExit("--chain runs the crabd methods (crabd, crabd-fs, full) with at least one fault")
@@ -785,6 +994,7 @@ def run_chained(b: Bench, traces: list[Trace], methods: list[str], faults: list[
             for t in traces:
                 bar.describe(f"reference {t.name} (a digest after every turn)")
                 refs[t.name] = chain.reference(b, t)
+                b.step_digests[t.name] = refs[t.name][0]   # the daemon fault's rollback checks
                 bar.advance(f"reference {t.name}: {len(t.turns)} turns")
             for m in dms:
                 b.serve_method(m)
@@ -802,7 +1012,8 @@ def run_chained(b: Bench, traces: list[Trace], methods: list[str], faults: list[
         finally:
             b.close()
     return {"methods": {}, "chain": chain.summarize(records, traces), "traces": [t.name for t in traces],
-            "faults": faults, "time_scale": b.a.time_scale, "inspector": b.a.inspector,
+            "faults": faults, "time_scale": b.a.time_scale,
+            **inspector_fields([r.inspector for r in records], b.a.inspector),
             "chain_runs": chain.records_dict(records)}
 
 
@@ -813,7 +1024,7 @@ def record_dict(rec: RunRecord) -> dict[str, Any]:
     return d
 
 
-__all__ = ["Bench", "RunRecord", "record_dict", "pct", "statistics"]
+__all__ = ["Bench", "RunRecord", "record_dict", "tar_bytes"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -25,7 +25,8 @@ from typing import Any
 
 from crabd.errors import CrabdError
 from crabd.traces import Trace
-from recovery import DIGEST_PY, DIGEST_SH, Bench, Box, RunRecord, pct
+from _stats import quantiles
+from recovery import DIGEST_PY, DIGEST_SH, Bench, Box, RunRecord
 
 
 @dataclass
@@ -46,6 +47,7 @@ class ChainRecord:
     correct: bool | None = None    # the checks pass and the final digest matches at the end
     seconds: float = 0.0
     error: str = ""
+    inspector: str = ""            # the daemon's inspector (its health); "a, then b" if a restart changed it
 
 
 def reference(b: Bench, t: Trace) -> tuple[list[str], RunRecord]:
@@ -72,7 +74,7 @@ def reference(b: Bench, t: Trace) -> tuple[list[str], RunRecord]:
 
 def run_chain(b: Bench, t: Trace, method: str, fault: str, digests: list[str], ref: RunRecord) -> ChainRecord:
     assert b.dh is not None
-    out = ChainRecord(t.name, method, fault)
+    out = ChainRecord(t.name, method, fault, inspector=b.inspector_used)
     box = b.daemon_box(t.image)
     t0 = time.monotonic()
     try:
@@ -117,8 +119,13 @@ def run_chain(b: Bench, t: Trace, method: str, fault: str, digests: list[str], r
             if fault in ("boundary", "daemon") and pos == next_k and pos < n:
                 one = RunRecord(t.name, method, fault, pos)
                 pos = b.inject(t, box, fault, r, pos_of, one, since_pre)
-                out.points.append(_point(b, t, box, pos_of, next_k, pos, one.rollback_ms or 0.0, digests,
-                                         one.note if fault == "daemon" else "", since_pre))
+                pt = _point(b, t, box, pos_of, next_k, pos, one.rollback_ms or 0.0, digests,
+                            one.note if fault == "daemon" else "", since_pre)
+                bad = [ch for ch in one.rollback_checks if not ch["ok"]]
+                if bad:   # daemon: a rollback after the restart reached a wrong state
+                    pt.state_ok = False
+                    pt.note += "; " + "; ".join(f"{ch['what']} {ch['checkpoint']}: {ch['error']}" for ch in bad)
+                out.points.append(pt)
                 next_k += 1
             b.wait(t, done)
         out.seconds = time.monotonic() - t0
@@ -127,6 +134,8 @@ def run_chain(b: Bench, t: Trace, method: str, fault: str, digests: list[str], r
         out.error = f"{type(e).__name__}: {e}"
         out.correct = False
     finally:
+        if b.inspector_used != out.inspector:
+            out.inspector += f", then {b.inspector_used}"
         b.outside.take()
         try:
             box.destroy()
@@ -186,7 +195,7 @@ def summarize(records: list[ChainRecord], traces: list[Trace]) -> dict[str, Any]
     for faults in out.values():
         for m in faults.values():
             xs = m.pop("rollback_ms")
-            m["rollback_ms"] = {"p50": pct(xs, 0.5), "p99": pct(xs, 0.99)}
+            m["rollback_ms"] = quantiles(xs)
             m["seconds"] = round(m["seconds"], 1)
             m["state_ok_pct"] = round(100 * m["state_ok"] / m["points"], 1) if m["points"] else None
     return out

@@ -10,7 +10,8 @@ import threading
 import time
 from typing import Any
 
-from recovery import Bench, pct
+from _stats import percentile, quantiles
+from recovery import Bench
 
 
 def run_scale(b: Bench, trace: Any, ns: list[int]) -> list[dict[str, Any]]:
@@ -49,9 +50,9 @@ def run_scale(b: Bench, trace: Any, ns: list[int]) -> list[dict[str, Any]]:
                         total_bytes += sum(c["bytes"] or 0 for c in b.wait_durable(box.sid, sized=True, timeout=60)
                                            if c["state"] == "committed")
                     xs = [x for s in stalls for x in s]
-                    out.append({"n": n, "scheduler": sched, "stall_ms": {"p50": pct(xs, 0.5), "p99": pct(xs, 0.99)},
+                    out.append({"n": n, "scheduler": sched, "stall_ms": quantiles(xs),
                                 "seconds": round(seconds, 2), "bytes": total_bytes, "errors": errors})
-                    bar.advance(f"scale {n} scheduler {'on' if sched else 'off'}: stall p99 {pct(xs, 0.99)} ms, "
+                    bar.advance(f"scale {n} scheduler {'on' if sched else 'off'}: stall p99 {percentile(xs, 99, 3)} ms, "
                                 f"{seconds:.1f} s" + (f", {len(errors)} errors" if errors else ""))
                 finally:
                     for box in boxes:

@@ -42,6 +42,7 @@ from crabd.client import Client  # noqa: E402
 from crabd.integrations.langgraph import CrabdCheckpointSaver  # noqa: E402
 from crabd.runtime import Runtime  # noqa: E402
 from crabd.testing import DaemonHandle, cleanup_state_dir  # noqa: E402
+from _stats import median  # noqa: E402
 
 TEST_STATE = Path(os.environ.get("CRABD_TEST_STATE_DIR", "/var/lib/crabd-test"))
 
@@ -117,7 +118,7 @@ def main() -> int:
             c.delete_sandbox(sb["id"])
         d.stop()
         cleanup_state_dir(st)
-    ms = lambda xs: round(statistics.median(xs) * 1000, 1)  # noqa: E731
+    ms = lambda xs: round(median(xs) * 1000, 1)  # noqa: E731
     out = {
         "steps": a.steps, "runs": a.runs,
         "plain_run_ms_p50": ms(res["plain"]), "crabd_run_ms_p50": ms(res["crabd"]),

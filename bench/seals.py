@@ -15,16 +15,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from _stats import median
+
 
 def _ms(xs: list[float]) -> dict[str, float]:
-    return {"median_ms": round(statistics.median(xs) * 1000, 3), "max_ms": round(max(xs) * 1000, 3)}
+    return {"median_ms": round(median(xs) * 1000, 3), "max_ms": round(max(xs) * 1000, 3)}
 
 
 async def one_driver(driver: str, turns: int, mib: int, reps: int) -> dict[str, Any]:

@@ -48,17 +48,14 @@ sys.path.insert(0, str(ROOT))
 
 from crabd.runtime import Runtime  # noqa: E402
 from crabd.testing import DaemonHandle, busybox_rootfs, cleanup_state_dir  # noqa: E402
+from _stats import percentile  # noqa: E402
 
 TEST_STATE = Path(os.environ.get("CRABD_TEST_STATE_DIR", "/var/lib/crabd-test"))
 
 
 def pct(xs: list[float], p: float) -> float | None:
-    """Nearest-rank percentile (p in 0..100); None for no samples."""
-    if not xs:
-        return None
-    s = sorted(xs)
-    k = max(0, min(len(s) - 1, int(round(p / 100 * len(s) + 0.5)) - 1))
-    return round(s[k], 3)
+    """The nearest-rank percentile of bench/_stats.py (p in 0..100), rounded to 3 digits."""
+    return percentile(xs, p, 3)
 
 
 def session(seed: int, turns: int, wait_min: float, wait_max: float) -> list[tuple[str, float]]:

@@ -155,7 +155,6 @@ class Daemon:
         self.standbys: dict[str, _StandbyEntry] = {}
         self._standby_locks: dict[str, threading.Lock] = {}
         self._image_locks: dict[str, threading.Lock] = {}
-        self._image_trees: dict[str, Any] = {}  # capture mode full: image snapshot -> its tree
         self._maintenance_queued = False
         # Checkpoints whose sizing is queued: id -> (sandbox, extra bytes). A
         # rollback cancels the sandbox's queued work; these are queued again.
@@ -1052,9 +1051,9 @@ class Daemon:
         end of the CRIU dump. A refused dump still leaves a file-system
         checkpoint (committed, without a process image, with the reason)."""
         from deltacr import DeltacrError
-        from .capture import FULL_REASON
         from .runtime.process import checkpoint_processes
-        full = FULL_REASON in ck.reasons
+        # Capture mode `full` comes here at every turn and is captured and
+        # counted exactly like crabd's own FS_PROC turns (crabd/capture.py).
         proc_image: str | None = None
         error: str | None = None
         def fs_commit() -> Any:
@@ -1069,9 +1068,8 @@ class Daemon:
             d.update(pause=info.pause_ms / 1000, fs_commit=info.fs_ms / 1000, proc_dump=info.dump_ms / 1000,
                      store=info.store_ms / 1000)
             # Bytes written: crabd's store de-duplicates and compresses, so a
-            # dump of a process whose memory barely changed costs little;
-            # `full` counts the raw image, as an exported checkpoint would.
-            proc_bytes = info.raw_bytes if full else info.written_bytes
+            # dump of a process whose memory barely changed costs little.
+            proc_bytes = info.written_bytes
         except (DeltacrError, CrabdError) as e:
             error = str(e)
             proc_bytes = 0
@@ -1080,63 +1078,28 @@ class Daemon:
                 # The dump was refused before the file system was committed
                 # (or the commit itself failed): take the FS checkpoint now.
                 self._frozen_fs_checkpoint(ck.sandbox_id, row.fs_key, ck.id, d)
-        if full:
-            # The baseline: a tar of every file that differs from the image.
-            t = time.monotonic()
-            tar_bytes = self._full_copy(ck, row)
-            d["full_copy"] = time.monotonic() - t
         t = time.monotonic()
         self.fs.sync()
         d["sync"] = time.monotonic() - t
         d["total"] = time.monotonic() - t_start
-        # full: its bytes are known now (the tar + the raw CRIU image); else the
-        # snapshot's usage is counted later, off the next turn's path.
-        size = tar_bytes + proc_bytes if full else None
-        if full:
-            d["size"] = 0.0
         reasons = list(ck.reasons)
         if error:
             reasons.append(f"process image not captured: {error}")
-        self.store.commit_checkpoint(ck.id, fs_snapshot=ck.id, proc_image=proc_image, bytes=size or 0, durations=d,
+        # The snapshot's usage is counted later, off the next turn's path.
+        self.store.commit_checkpoint(ck.id, fs_snapshot=ck.id, proc_image=proc_image, bytes=0, durations=d,
                                      reasons=reasons, plan=ck.plan)
-        self.metrics.observe_checkpoint({k: v for k, v in d.items() if k in PHASES and k != "queue"}, size or 0)
+        self.metrics.observe_checkpoint({k: v for k, v in d.items() if k in PHASES and k != "queue"}, 0)
         if error:
             self._event("checkpoint.proc_failed", ck.sandbox_id, checkpoint=ck.id, error=error)
-        self._event("checkpoint.committed", ck.sandbox_id, checkpoint=ck.id, plan=ck.plan, bytes=size,
+        self._event("checkpoint.committed", ck.sandbox_id, checkpoint=ck.id, plan=ck.plan, bytes=None,
                     proc=proc_image is not None, pause_ms=round(d.get("pause", 0) * 1000, 3))
-        if size is not None:
-            self._event("checkpoint.sized", ck.sandbox_id, checkpoint=ck.id, plan=ck.plan, bytes=size, size_ms=0.0)
-            return None
         return proc_bytes
 
     def _full_copy_path(self, sid: str, cid: str) -> Path:
+        """The tar a crabd before the fair `full` mode wrote per checkpoint
+        (capture mode full no longer writes one): still removed with its
+        checkpoint or sandbox, so an upgraded state dir does not keep them."""
         return self.state_dir / "full" / sid / f"{cid}.tar"
-
-    def _full_copy(self, ck: CheckpointRow, row: SandboxRow) -> int:
-        """`full` capture mode: tar every entry of snapshot `ck.id` that differs
-        from the sandbox's image, read through a read-only view (never following
-        the sandbox's symlinks), under the state dir. Returns the tar's bytes."""
-        from .capture import write_full_copy
-        base = f"img-{row.image}"
-        old = self._image_trees.get(base)
-        if old is None:  # an image snapshot never changes: scan it once
-            old = self._image_trees[base] = self.fs.tree(base)
-        from deltafs.tree import diff_entries
-        changes = diff_entries(old, self.fs.tree(ck.id))
-        paths = [c.path for c in changes if c.kind != "deleted"]
-        deleted = [c.path for c in changes if c.kind == "deleted"]
-        key = f"fullview-{secrets.token_hex(6)}"
-        mounts = self.fs.view(key, parent=ck.id)
-        tmp = tempfile.mkdtemp(prefix="crabd-full-", dir=self.state_dir)
-        try:
-            mount_all(mounts, tmp)
-            try:
-                return write_full_copy(tmp, paths, deleted, self._full_copy_path(ck.sandbox_id, ck.id))
-            finally:
-                unmount(tmp)
-        finally:
-            os.rmdir(tmp)
-            self._remove_snapshot(key)
 
     # --- checkpoints -----------------------------------------------------------------------
     def list_checkpoints(self, ref: str, owner: str | None = None, all_states: bool = False) -> list[dict[str, Any]]:

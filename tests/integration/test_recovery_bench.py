@@ -3,7 +3,11 @@ bench/recovery.py --quick runs each fault (boundary, mid-turn, daemon; one
 trace, so it takes all three in rotation) for every method this crabd has,
 and its JSON has the documented shape; crabd recovers correctly and
 chat-only does not; the trace's external call reaches the outside world
-once through crabd's effects ledger, and twice under replay."""
+once through crabd's effects ledger, and twice under replay. The daemon
+fault's rollbacks after the restart (to the recovery target and to an older
+checkpoint) are checked against the per-turn reference; bytes are against
+the fair `full` and, under their own key, the naive raw one; the command
+overhead is beside the end-to-end one; the inspector is the daemon's own."""
 
 from __future__ import annotations
 
@@ -43,13 +47,13 @@ def write_traces(d: Path, names: tuple[str, ...] = ("bb-a",)) -> None:
 
 
 def _methods() -> str:
-    # `full` is left out to keep this test cheap (a CRIU dump every turn
-    # doubles its time); it is the same code path as crabd-fs with another
-    # --capture flag, and tests/integration/test_capture_modes.py covers it.
+    # `full` is in: the fair baseline's bytes and the naive figure computed
+    # after the run (diff against the image, the image store's manifests)
+    # are what bytes_vs_full_pct / bytes_vs_full_raw_pct stand on.
     crabd = str(Path(sys.executable).parent / "crabd")
     helptext = subprocess.run([crabd, "serve", "--help"], capture_output=True, text=True, timeout=60).stdout
     if "--capture" in helptext:
-        return "chat-only,replay,crabd-fs,crabd"
+        return "chat-only,replay,full,crabd-fs,crabd"
     return "chat-only,replay,crabd"
 
 
@@ -61,12 +65,15 @@ def test_recovery_bench_quick_on_busybox(tmp_path, busybox_image):
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "recovery.py"), "--quick", "--traces", str(traces),
                         "--methods", methods, "--faults", "boundary,mid-turn,daemon", "--time-scale", "0.05",
                         "--inspector", "proc", "--json", "--out", str(out)],
-                       capture_output=True, text=True, timeout=400, env={**os.environ})
+                       capture_output=True, text=True, timeout=600, env={**os.environ})
     assert p.returncode == 0, p.stderr[-4000:]
     res = json.loads(p.stdout)
     assert set(res["methods"]) == set(methods.split(","))
+    # the inspector the daemons really used (their health), and no fallback from what was asked
+    assert res["inspector"] == "proc" and res["inspector_requested"] == "proc" and not res["inspector_fallback"]
     for m, r in res["methods"].items():
-        for key in ("correct_pct", "bytes", "bytes_vs_full_pct", "overhead_pct", "skip_fraction"):
+        for key in ("correct_pct", "bytes", "bytes_vs_full_pct", "bytes_vs_full_raw_pct", "overhead_pct",
+                    "skip_fraction", "rollback_checks", "inspector"):
             assert key in r, (m, key)
         for key in ("ckpt_ms", "stall_ms", "rollback_ms"):
             assert set(r[key]) >= {"p50", "p99"}, (m, key)
@@ -76,6 +83,19 @@ def test_recovery_bench_quick_on_busybox(tmp_path, busybox_image):
     assert crabd["correct_pct"] == 100.0, (crabd["wrong"], p.stderr[-3000:])
     assert crabd["fault_free_correct"] is True
     assert crabd["bytes"] > 0 and crabd["ckpt_ms"]["p50"] is not None
+    assert crabd["command_overhead_pct"] is not None and crabd["overhead_pct"] is not None
+    assert crabd["inspector"] == ["proc"]
+    # the daemon fault: live state, rollback to the recovery target, rollback
+    # to an older checkpoint, each against the reference after that turn
+    daemon_run = next(r for r in res["runs"] if r["method"] == "crabd" and r["fault"] == "daemon")
+    assert [c["what"] for c in daemon_run["rollback_checks"]] == [
+        "live after the restart", "recovery target", "older checkpoint"], daemon_run
+    assert crabd["rollback_checks"]["failed"] == [], crabd["rollback_checks"]
+    if "full" in res["methods"]:
+        full = res["methods"]["full"]
+        # fair: through the same store as crabd; naive: raw images + tar, far more
+        assert full["bytes_vs_full_pct"] == 100.0 and full["bytes_naive_raw"] > full["bytes"] > 0, full
+        assert crabd["bytes_vs_full_raw_pct"] < crabd["bytes_vs_full_pct"], crabd
     assert crabd["rollback_ms"]["p50"] is not None and crabd["skip_fraction"] is not None
     assert res["methods"]["chat-only"]["correct_pct"] == 0.0, res["methods"]["chat-only"]["wrong"]
     assert res["methods"]["replay"]["correct_pct"] == 100.0, res["methods"]["replay"]["wrong"]
@@ -110,4 +130,6 @@ def test_recovery_bench_chain_hits_every_fault_point(tmp_path, busybox_image):
     # every point is in the per-run records, with the turn the agent went on from
     runs = {r["fault"]: r for r in res["chain_runs"]}
     assert [pt["k"] for pt in runs["boundary"]["points"]] == list(range(1, n))
-    assert all(pt["resumed_at"] >= pt["k"] - 1 for r in runs.values() for pt in r["points"])
+    assert all(pt["resumed_at"] >= pt["k"] - 1 for f, r in runs.items() if f != "daemon" for pt in r["points"])
+    # daemon: after the restart the agent goes on from the older checkpoint it rolled back to
+    assert all(0 <= pt["resumed_at"] < pt["k"] for pt in runs["daemon"]["points"])

@@ -1,15 +1,15 @@
-"""Capture modes (crabd.capture): the plan mapping, the setting, and the
-`full` mode's tar copy that never follows the sandbox's symlinks."""
+"""Capture modes (crabd.capture): the plan mapping and the setting. (The
+`full` mode's tar copy is gone: full is crabd's FS_PROC capture at every turn,
+tests/integration/test_capture_modes.py; the tar's size for the benchmark's
+naive figure is tests/unit/test_recovery_summary.py.)"""
 
 from __future__ import annotations
 
-import os
-import tarfile
 from pathlib import Path
 
 import pytest
 
-from crabd.capture import FS_ONLY_REASON, FULL_REASON, MODES, apply_mode, write_full_copy
+from crabd.capture import FS_ONLY_REASON, FULL_REASON, MODES, apply_mode
 from crabd.settings import Settings, SettingsError, load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,44 +48,6 @@ def test_the_setting(tmp_path):
     with pytest.raises(SettingsError) as e:
         Settings().with_overrides(capture="everything")
     assert e.value.field == "capture"
-
-
-def test_full_copy_stores_symlinks_and_never_follows_them(tmp_path):
-    root = tmp_path / "root"
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    (outside / "secret").write_text("host file\n")
-    (root / "work" / "sub").mkdir(parents=True)
-    (root / "work" / "a.txt").write_text("hello\n")
-    (root / "work" / "sub" / "b.bin").write_bytes(os.urandom(5000))
-    os.chmod(root / "work" / "a.txt", 0o640)
-    (root / "work" / "abs").symlink_to(outside / "secret")
-    (root / "work" / "escape").symlink_to(outside)  # a directory symlink out of the tree
-    os.mkfifo(root / "work" / "fifo")
-    paths = [b"work", b"work/a.txt", b"work/sub", b"work/sub/b.bin", b"work/abs", b"work/escape",
-             b"work/escape/secret", b"work/fifo", b"work/gone-meanwhile"]
-    out = tmp_path / "state" / "ck.tar"
-    n = write_full_copy(root, paths, [b"etc/old"], out)
-    assert n == out.stat().st_size > 5000
-    assert not out.with_name("ck.tar.tmp").exists()
-    with tarfile.open(out) as tar:
-        members = {m.name: m for m in tar.getmembers()}
-        assert set(members) == {"work", "work/a.txt", "work/sub", "work/sub/b.bin", "work/abs", "work/escape",
-                                "work/fifo", ".crabd-deleted"}
-        assert members["work/abs"].issym() and members["work/abs"].linkname == str(outside / "secret")
-        assert members["work/escape"].issym()
-        assert members["work/fifo"].isfifo()
-        assert members["work/a.txt"].mode == 0o640
-        assert tar.extractfile("work/a.txt").read() == b"hello\n"
-        assert tar.extractfile("work/sub/b.bin").read() == (root / "work" / "sub" / "b.bin").read_bytes()
-        assert tar.extractfile(".crabd-deleted").read() == b"etc/old\n"
-        assert b"host file" not in out.read_bytes()
-
-
-def test_full_copy_rejects_dotdot(tmp_path):
-    (tmp_path / "r").mkdir()
-    with pytest.raises(ValueError):
-        write_full_copy(tmp_path / "r", [b"../x"], [], tmp_path / "o.tar")
 
 
 def test_late_bytes_are_signed(tmp_path):
