@@ -19,7 +19,6 @@ import socket
 import struct
 import threading
 
-from .errors import FailedPrecondition
 
 __all__ = ["loopback_up"]
 
@@ -38,9 +37,12 @@ def _set_up(ifname: bytes) -> None:
             fcntl.ioctl(s.fileno(), _SIOCSIFFLAGS, struct.pack("16sH14x", ifname, flags | _IFF_UP))
 
 
-def loopback_up(pid: int) -> None:
-    """Bring `lo` up in the network namespace of host pid `pid`."""
+def loopback_up(pid: int) -> bool:
+    """Bring `lo` up in the network namespace of host pid `pid`. False when
+    `pid` is gone: a restored init killed right after its restore is a death
+    for the caller's death watch to notice, not a failed restore."""
     err: list[BaseException] = []
+    gone: list[bool] = []
 
     def work() -> None:
         own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
@@ -48,7 +50,7 @@ def loopback_up(pid: int) -> None:
             target = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             os.close(own)
-            err.append(FailedPrecondition(f"process {pid} is gone; cannot bring up its loopback"))
+            gone.append(True)
             return
         try:
             if _libc.setns(target, _CLONE_NEWNET) != 0:
@@ -73,3 +75,4 @@ def loopback_up(pid: int) -> None:
     t.join()
     if err:
         raise err[0]
+    return not gone

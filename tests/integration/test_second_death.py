@@ -23,6 +23,7 @@ import socket
 import struct
 import threading
 import time
+from pathlib import Path
 
 from crabd.client import Client
 from crabd.runtime import detect_layout
@@ -35,8 +36,8 @@ class CgroupKiller:
     recovery's worth), or when told to (linger=None).
 
     `restored=True`: wait until the restore of the new processes is over --
-    `lo` is up in their network namespace, the last thing a CRIU restore
-    through crabd does (deltacr/netns.py) -- then kill them: they die in
+    `lo` is up in their network namespace and CRIU no longer ptraces them
+    -- then kill them: they die in
     the daemon's hands, between the restore and the end of the rollback."""
 
     def __init__(self, sid: str, linger: float | None = 0.3, restored: bool = False) -> None:
@@ -81,7 +82,10 @@ class CgroupKiller:
                 new = {p for p in new if _netns(p) not in (None, self._host_netns)}
                 if probe is None or probe[0] not in new:
                     probe = _netns_socket(min(new)) if new else None
-                if probe is None or not _lo_up(probe[1]):
+                # and the restore is over only once CRIU let them go
+                # (lo comes up early: a createRuntime hook brings it up at
+                # CRIU's setup-namespaces step, before any task is restored)
+                if probe is None or not _lo_up(probe[1]) or _restoring(new):
                     time.sleep(0.0005)
                     continue
             for pid in new:
@@ -92,6 +96,20 @@ class CgroupKiller:
                 self.killed.append(pid)
                 first = first or time.monotonic()
             time.sleep(0.0005)
+
+
+def _restoring(pids: set[int]) -> bool:
+    """Is CRIU still restoring `pids`? It ptraces every task it restores
+    until it lets them run at the very end."""
+    for pid in pids:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("TracerPid:") and line.split()[1] != "0":
+                return True
+    return False
 
 
 def _netns(pid: int) -> int | None:
