@@ -146,6 +146,7 @@ def checkpoint_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, check
     was_frozen = freezer.state() == "FROZEN"
     if freezer.v1 and not was_frozen:
         _check_not_stopped(sb, freezer.dir / "cgroup.procs")
+    _check_one_time_ns(sb, freezer.dir / "cgroup.procs")
     if opts is None:
         opts = DumpOptions.for_private_netns(tcp_connections=_tcp_connected(init_pid))
     runc = _runc(rt)
@@ -283,6 +284,34 @@ def _check_not_stopped(sb: Sandbox, procs_file: Path) -> None:
         raise FailedPrecondition(f"sandbox {sb.id} has stopped tasks: {', '.join(stopped[:8])}; {STOPPED_TASK_LIMIT}",
                                  fix="let stopped tasks continue (SIGCONT) before the turn ends to have the "
                                      "processes checkpointed")
+
+
+TIME_NS_LIMIT = ("CRIU restores processes in a time namespace of its own, runc 1.1 starts commands exec'd "
+                 "later in the host's, and CRIU can dump but not restore a tree that spans two time "
+                 "namespaces (\"Can't restore sub-task in NS\")")
+
+
+def _check_one_time_ns(sb: Sandbox, procs_file: Path) -> None:
+    """Refuse a dump whose restore is known to fail: tasks in more than one
+    time namespace (the sandbox was restored by CRIU, then a command was
+    exec'd in it). Found by the ground-truth oracle (bench/oracle.py): the
+    dump succeeded and every later restore fell back to a fresh init."""
+    seen: dict[int, list[int]] = {}
+    try:
+        pids = [int(x) for x in procs_file.read_text().split()]
+    except OSError:
+        return
+    for pid in pids:
+        try:
+            seen.setdefault(os.stat(f"/proc/{pid}/ns/time").st_ino, []).append(pid)
+        except OSError:
+            continue  # gone, or no time namespaces on this kernel
+    if len(seen) > 1:
+        groups = "; ".join(f"{', '.join(map(str, p[:4]))}{' ...' if len(p) > 4 else ''}" for p in seen.values())
+        raise FailedPrecondition(f"sandbox {sb.id} has processes in {len(seen)} time namespaces ({groups}): "
+                                 f"{TIME_NS_LIMIT}",
+                                 fix="roll back to or fork the checkpoint before the commands started after "
+                                     "the last restore, or let those commands exit before the turn ends")
 
 
 def _tcp_connected(pid: int | None) -> bool:
