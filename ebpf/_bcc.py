@@ -71,6 +71,7 @@ class BccLoader:
         # Records that could not be decoded; not attributable to a sandbox, so
         # every sandbox's dropped count includes them (assume the worst).
         self._undecodable = 0
+        self._pausing: set[int] = set()  # tags armed with begin_pause
 
     def program(self) -> str:
         return program_text(self.follow_pids, self.count_writes)
@@ -150,6 +151,37 @@ class BccLoader:
             if n:
                 out[int(kind)] = n
         return out
+
+    # -- crabd's own pause (see "crabd's own pause" in inspector.c)
+    def begin_pause(self, tag: int) -> None:
+        self._table("woken")  # loaded?
+        self._table("pauses")[ctypes.c_int(tag)] = ctypes.c_uint64(1)
+        self._pausing.add(tag)
+        self._table("pausing")[ctypes.c_int(0)] = ctypes.c_uint64(len(self._pausing))
+
+    def end_pause(self, tag: int) -> set[int]:
+        """Disarm; the pids with a thread that made a system call while the
+        pause was armed other than the restart of an interrupted one (empty
+        if not armed)."""
+        if tag not in self._pausing:
+            return set()
+        self._table("pauses")[ctypes.c_int(tag)] = ctypes.c_uint64(0)
+        self._pausing.discard(tag)
+        self._table("pausing")[ctypes.c_int(0)] = ctypes.c_uint64(len(self._pausing))
+        busy: set[int] = set()
+        w = self._table("woken")
+        for tid, v in list(w.items()):
+            if v.tag != tag:
+                continue
+            if v.other:
+                busy.add(int(v.tgid))
+            try:
+                del w[tid]
+            except KeyError:
+                pass
+        if not self._pausing:
+            self._table("seized").clear()  # tracees that died seized
+        return busy
 
     def _percpu_sum(self, name: str, tag: int) -> int:
         vals = self._table(name)[ctypes.c_int(tag)]
