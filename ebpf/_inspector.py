@@ -325,10 +325,10 @@ class Inspector:
         """crabd is about to freeze (and maybe dump) the sandbox between turns:
         note its processes and arm the kernel's watch of the pause."""
         w = self._get(sandbox_id)
+        self._loader.begin_pause(w.tag)
         pre = snapshot(self._procs, w.cgroup_path)
         with w.lock:
             w.pre_pause = pre
-        self._loader.begin_pause(w.tag)
 
     def after_pause(self, sandbox_id: str) -> None:
         """The sandbox was thawed: the next turn compares with its quiet state

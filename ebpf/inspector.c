@@ -122,8 +122,9 @@ BPF_PERCPU_ARRAY(suppressed, u64, MAX_TAGS * FILE_KINDS_MAX);
  * call, or restart_syscall, did nothing. Any other system call entry a
  * member makes while the pause is armed is counted (`woke.other`): that
  * thread did work, after the thaw or just before the freeze, and its process
- * belongs to the next turn. `pausing` counts armed tags so that the
- * raw_syscalls programs cost one array lookup while no pause is armed. */
+ * belongs to the next turn. The raw_syscalls programs run for every system
+ * call of the host: userspace attaches them only while a pause is armed
+ * (`pausing` counts armed tags, and guards them too). */
 struct woke {
     u32 tgid;
     u32 tag;
