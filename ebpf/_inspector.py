@@ -33,14 +33,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ebpf._events import MAX_TAGS, Event
-from ebpf._proc import (
-    HostProcessTable,
-    ProcessTable,
-    ProcInfo,
-    quiet_baseline,
-    settled_snapshot,
-    snapshot,
-)
+from ebpf._proc import HostProcessTable, ProcessTable, ProcInfo, quiet_baseline, settled_snapshot, snapshot
 from ebpf._turn import DEFAULT_STATELESS, TurnRecorder
 from ebpf.effects import MAX_SAMPLES, Effects
 from ebpf.errors import AlreadyWatched, BPFUnavailable, InvalidArgument, NotWatched

@@ -56,8 +56,7 @@ def captured(c: Client, sid: str) -> list[dict]:
     return wait_until(done, f"committed checkpoints of {sid}", 120, interval=0.05)  # type: ignore[return-value]
 
 
-@pytest.fixture(scope="module")
-def daemon(runtime, debian_image):
+def _daemon(runtime, debian_image, env=None):
     import tempfile
     from pathlib import Path
 
@@ -66,7 +65,7 @@ def daemon(runtime, debian_image):
 
     state = Path(tempfile.mkdtemp(prefix="crabd-pause-", dir="/var/tmp"))
     Runtime(state).images.import_path(runtime.images.get(debian_image).path, "debian-py")
-    d = DaemonHandle(state)
+    d = DaemonHandle(state, env=env)
     d.start()
     yield d
     try:
@@ -75,15 +74,27 @@ def daemon(runtime, debian_image):
         cleanup_state_dir(state)
 
 
-@pytest.mark.parametrize("delay", [0.02, 0.05, 0.1, 0.15, 0.25])
-def test_a_write_right_after_the_capture_belongs_to_the_next_turn(daemon, delay):
-    c = daemon.client()
+@pytest.fixture(scope="module")
+def daemon(runtime, debian_image):
+    yield from _daemon(runtime, debian_image)
+
+
+@pytest.fixture(scope="module")
+def proc_daemon(runtime, debian_image):
+    yield from _daemon(runtime, debian_image, env={"CRABD_INSPECTOR": "proc"})
+
+
+def replay(c: Client, delay: float) -> None:
     sid = c.create_sandbox("debian-py")["id"]
     try:
         assert c.exec(sid, "mkdir -p /work && cat > /work/child.py", stdin=CHILD)["exit_code"] == 0
         start = c.exec(sid, ["python3", "/work/child.py", str(delay)])
+        t_start = time.monotonic()
         assert start["exit_code"] == 0, start["stderr"]
-        time.sleep(1)
+        # the next turn one second later, its parent committed by then (a
+        # pending parent would make it save everything, hiding the plan)
+        captured(c, sid)
+        time.sleep(max(0.0, t_start + 1 - time.monotonic()))
         turn = c.exec(sid, "true")
         cks = captured(c, sid)
         ck = next(k for k in cks if k["id"] == turn["checkpoint"])
@@ -101,3 +112,19 @@ def test_a_write_right_after_the_capture_belongs_to_the_next_turn(daemon, delay)
         assert mem == token, (*why, mem, token, r["stderr"])
     finally:
         c.delete_sandbox(sid)
+
+
+@pytest.mark.parametrize("delay", [0.02, 0.05, 0.1, 0.15, 0.25, 0.4])
+def test_a_write_right_after_the_capture_belongs_to_the_next_turn(daemon, delay):
+    c = daemon.client()
+    assert c.health()["inspector"] == "bpf-cgroup"
+    replay(c, delay)
+
+
+@pytest.mark.parametrize("delay", [0.15, 0.25])
+def test_the_proc_fallback_is_as_conservative(proc_daemon, delay):
+    """Without BPF, a process that ran after the thaw is active unless /proc
+    shows it only resumed an interrupted sleep."""
+    c = proc_daemon.client()
+    assert c.health()["inspector"] == "proc"
+    replay(c, delay)
