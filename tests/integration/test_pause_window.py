@@ -128,3 +128,35 @@ def test_the_proc_fallback_is_as_conservative(proc_daemon, delay):
     c = proc_daemon.client()
     assert c.health()["inspector"] == "proc"
     replay(c, delay)
+
+
+IDLE_SERVER = r"""
+import asyncio, os
+async def main():
+    server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 8000)
+    await server.serve_forever()
+if os.fork() == 0:
+    os.setsid()
+    fd = os.open("/dev/null", os.O_RDWR)
+    for i in (0, 1, 2):
+        os.dup2(fd, i)
+    asyncio.run(main())
+"""
+
+
+def test_an_idle_event_loop_server_is_not_dumped_every_turn(daemon):
+    """The cost side: an asyncio server blocked in epoll_wait is woken by
+    every pause (EINTR, then the same call again), which is no work."""
+    c = daemon.client()
+    sid = c.create_sandbox("debian-py")["id"]
+    try:
+        assert c.exec(sid, "mkdir -p /work && cat > /work/server.py", stdin=IDLE_SERVER)["exit_code"] == 0
+        first = c.exec(sid, "python3 /work/server.py")
+        assert first["plan"] == "FS_PROC", first["reasons"]
+        plans = []
+        for _ in range(3):
+            captured(c, sid)
+            plans.append(c.exec(sid, "cat /etc/hostname")["plan"])
+        assert "FS_PROC" not in plans, [k["reasons"] for k in c.checkpoints(sid)[-3:]]
+    finally:
+        c.delete_sandbox(sid)
