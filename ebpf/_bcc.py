@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import threading
 from pathlib import Path
 
 from ebpf._events import FILE_KINDS, FILE_KINDS_MAX, MAX_LEVELS, Event, decode, program_text
@@ -58,6 +59,10 @@ def bpf_problem() -> str | None:
     return None
 
 
+# The pause's system call counters (inspector.c): not attached between pauses.
+PAUSE_TRACEPOINTS = (b"raw_syscalls:sys_enter", b"raw_syscalls:sys_exit")
+
+
 class BccLoader:
     """Compile and attach the inspector program with bcc (needs root)."""
 
@@ -71,6 +76,8 @@ class BccLoader:
         # Records that could not be decoded; not attributable to a sandbox, so
         # every sandbox's dropped count includes them (assume the worst).
         self._undecodable = 0
+        self._pausing: set[int] = set()  # tags armed with begin_pause
+        self._pause_lock = threading.Lock()
 
     def program(self) -> str:
         return program_text(self.follow_pids, self.count_writes)
@@ -86,6 +93,10 @@ class BccLoader:
         try:
             bpf = BPF(text=self.program().encode(), cflags=["-w"])  # the kernel headers warn a lot
             bpf[b"events"].open_ring_buffer(self._on_event)
+            # every system call of the host would run these: attached only
+            # while a pause is armed (begin_pause .. end_pause)
+            for tp in PAUSE_TRACEPOINTS:
+                bpf.detach_tracepoint(tp)
         except Exception as e:  # bcc raises bare Exception
             raise BPFUnavailable(f"compiling or attaching the inspector program failed: {e}") from e
         self._bpf = bpf
@@ -151,6 +162,64 @@ class BccLoader:
                 out[int(kind)] = n
         return out
 
+    # -- crabd's own pause (see "crabd's own pause" in inspector.c)
+    def begin_pause(self, tag: int) -> None:
+        with self._pause_lock:
+            if not self._pausing:
+                bpf = self._bpf
+                if bpf is None:
+                    raise BPFUnavailable("the inspector program is not loaded; call open() first")
+                try:
+                    for tp in PAUSE_TRACEPOINTS:
+                        if tp not in bpf.tracepoint_fds:
+                            cat, ev = tp.split(b":")
+                            bpf.attach_tracepoint(tp=tp, fn_name=b"tracepoint__" + cat + b"__" + ev)
+                except Exception as e:  # bcc raises bare Exception
+                    raise BPFUnavailable(f"attaching the pause's system call counters failed: {e}") from e
+            self._table("pauses")[ctypes.c_int(tag)] = ctypes.c_uint64(1)
+            self._pausing.add(tag)
+            self._table("pausing")[ctypes.c_int(0)] = ctypes.c_uint64(len(self._pausing))
+
+    def end_pause(self, tag: int) -> set[int]:
+        """Disarm; the pids with a thread that made a system call while the
+        pause was armed other than the restart of an interrupted one (empty
+        if not armed)."""
+        with self._pause_lock:
+            if tag not in self._pausing:
+                return set()
+            self._table("pauses")[ctypes.c_int(tag)] = ctypes.c_uint64(0)
+            self._pausing.discard(tag)
+            self._table("pausing")[ctypes.c_int(0)] = ctypes.c_uint64(len(self._pausing))
+            busy: set[int] = set()
+            w = self._table("woken")
+            for tid, v in list(w.items()):
+                if v.tag != tag:
+                    continue
+                if v.other:
+                    busy.add(int(v.tgid))
+                try:
+                    del w[tid]
+                except KeyError:
+                    pass
+            if not self._pausing:
+                self._table("seized").clear()  # tracees that died seized
+                # detaching waits for the kernel's RCU grace periods (~0.15 s
+                # here): off the capture's path
+                threading.Thread(target=self._detach_pause, name="ebpf-pause-detach", daemon=True).start()
+            return busy
+
+    def _detach_pause(self) -> None:
+        with self._pause_lock:
+            bpf = self._bpf
+            if self._pausing or bpf is None:
+                return  # armed again meanwhile, or closed
+            for tp in PAUSE_TRACEPOINTS:
+                if tp in bpf.tracepoint_fds:
+                    try:
+                        bpf.detach_tracepoint(tp)
+                    except Exception:  # noqa: BLE001 - the guard in the program keeps it inert
+                        pass
+
     def _percpu_sum(self, name: str, tag: int) -> int:
         vals = self._table(name)[ctypes.c_int(tag)]
         return int(sum(v for v in vals))
@@ -162,8 +231,9 @@ class BccLoader:
         return self._percpu_sum("dropped", tag) + self._undecodable
 
     def close(self) -> None:
-        if self._bpf is not None:
-            try:
-                self._bpf.cleanup()
-            finally:
-                self._bpf = None
+        with self._pause_lock:
+            if self._bpf is not None:
+                try:
+                    self._bpf.cleanup()
+                finally:
+                    self._bpf = None

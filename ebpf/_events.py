@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import ipaddress
+import platform
 from dataclasses import dataclass
 from importlib import resources
 
@@ -36,6 +37,11 @@ O_APPEND = 0o2000
 O_TMPFILE = 0o20000000 | 0o200000
 # Flags with which an open can change a file (O_TMPFILE needs O_WRONLY/RDWR).
 OPEN_WRITE_FLAGS = O_WRONLY | O_RDWR | O_CREAT | O_TRUNC | O_APPEND
+
+# restart_syscall(2): how the kernel resumes a sleep a signal or the freezer
+# interrupted (nanosleep, poll, futex with a timeout), per architecture
+RESTART_SYSCALL = {"x86_64": 219, "aarch64": 128, "riscv64": 128, "ppc64le": 0, "s390x": 7}
+RESTART_SYSCALL_NR = RESTART_SYSCALL.get(platform.machine(), -1)
 
 AF_UNIX = 1
 AF_INET = 2
@@ -222,6 +228,7 @@ def defines(follow_pids: bool = False, count_writes: bool = True) -> dict[str, i
         "AF_INET6_": AF_INET6,
         "FOLLOW_PIDS": int(follow_pids),
         "COUNT_WRITES": int(count_writes),
+        "RESTART_SYSCALL_NR": RESTART_SYSCALL_NR,
     }
     d.update({f"EV_{k.name}": int(k) for k in EventKind})
     return d

@@ -58,6 +58,8 @@ class Loader(Protocol):
     def dropped_count(self, tag: int) -> int: ...
     def next_epoch(self, tag: int) -> None: ...
     def suppressed_counts(self, tag: int) -> dict[int, int]: ...
+    def begin_pause(self, tag: int) -> None: ...
+    def end_pause(self, tag: int) -> set[int]: ...
     def close(self) -> None: ...
 
 
@@ -117,9 +119,8 @@ class _Watched:
     outside: tuple[str, ...] = ()
     lock: threading.Lock = field(default_factory=threading.Lock)
     # crabd's own pause of the sandbox (freeze / CRIU dump / thaw): the
-    # processes before it, and the window whose events are the pause's own
+    # processes before it
     pre_pause: dict[int, ProcInfo] | None = None
-    mute: tuple[int, int | None] | None = None
     tmpfs: Manifest = field(default_factory=dict)  # the memory file systems at the last turn end
 
 
@@ -265,6 +266,7 @@ class Inspector:
                 self._loader.remove_cgroup(w.cgroup_id)
             else:
                 self._loader.remove_tag_pids(w.tag)
+            self._loader.end_pause(w.tag)  # a pause never closed (the sandbox died in it)
             # keep the tag reserved until events in flight are drained
         self._drain()
         with self._state_lock:
@@ -283,8 +285,6 @@ class Inspector:
             if w is None:
                 continue
             with w.lock:
-                if w.mute is not None and ev.ts >= w.mute[0] and (w.mute[1] is None or ev.ts <= w.mute[1]):
-                    continue  # the freezer's or CRIU's parasite's doing, not the sandbox's
                 if w.cut_ns is not None and ev.ts > w.cut_ns:
                     if w.next_recorder is None:
                         w.next_recorder = TurnRecorder(self._max, w.outside)
@@ -322,26 +322,40 @@ class Inspector:
         w.started_ns = self._clock()
 
     def before_pause(self, sandbox_id: str) -> None:
-        """crabd is about to freeze (and maybe dump) the sandbox between turns."""
+        """crabd is about to freeze (and maybe dump) the sandbox between turns:
+        note its processes and arm the kernel's watch of the pause."""
         w = self._get(sandbox_id)
+        self._loader.begin_pause(w.tag)
         pre = snapshot(self._procs, w.cgroup_path)
         with w.lock:
-            w.pre_pause, w.mute = pre, (self._clock(), None)
+            w.pre_pause = pre
 
     def after_pause(self, sandbox_id: str) -> None:
         """The sandbox was thawed: the next turn compares with its quiet state
-        (see `quiet_baseline`); events of the pause itself are dropped."""
+        (see `quiet_baseline`), except for what the kernel saw.
+
+        While the pause is armed the kernel drops the events of the threads
+        CRIU seized (its parasite's doing, not the sandbox's); every other
+        event counts for the next turn, as before any pause. And it counts,
+        per thread, the system calls that are more than the restart of the
+        call the freeze interrupted: a thread that made one (it wrote, opened,
+        slept again after its sleep ended: it ran user code) makes its
+        process active in the next turn, whose memory may differ from the
+        checkpoint's."""
         w = self._get(sandbox_id)
         with w.lock:
-            base, pre = w.baseline, w.pre_pause
+            pre, base = w.pre_pause, w.baseline
         if pre is None:
             return
-        new_base, ran = quiet_baseline(self._procs, w.cgroup_path, base, pre, self._settle)
+        try:
+            new_base, ran = quiet_baseline(self._procs, w.cgroup_path, base, pre, self._settle,
+                                           worked=lambda post: self._loader.end_pause(w.tag))
+        finally:
+            self._loader.end_pause(w.tag)  # disarmed already unless quiet_baseline failed
         self._drain()
         with w.lock:
             w.baseline, w.pre_pause = new_base, None
             w.recorder.active_pids |= ran
-            w.mute = (w.mute[0] if w.mute else self._clock(), self._clock())
 
     def end_turn(self, sandbox_id: str) -> Effects:
         w = self._get(sandbox_id)

@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
+
+from ebpf._events import RESTART_SYSCALL_NR
+
+RUNNING = -1  # blocked_calls(): the thread was not in a system call
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,9 @@ class ProcessTable(Protocol):
 
     def listening(self, pids: set[int]) -> dict[int, list[str]]:
         """Listening inet sockets per pid ('0.0.0.0:8000'); used by the fallback."""
+
+    def blocked_calls(self, pid: int) -> dict[int, int]:
+        """tid -> the system call number each thread is blocked in (RUNNING if none)."""
 
 
 def _read(p: str) -> str | None:
@@ -92,6 +100,21 @@ class HostProcessTable:
         raw = _read(f"/proc/{pid}/cmdline") or ""
         cmdline = tuple(a for a in raw.split("\0") if a) if raw else ()
         return ProcInfo(pid, start, cpu, switches, running, comm, cmdline)
+
+    def blocked_calls(self, pid: int) -> dict[int, int]:
+        out = {}
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            return out
+        for tid in tids:
+            # "nr args... sp pc" while blocked in a call, "running", or "-1 sp pc"
+            first = (_read(f"/proc/{pid}/task/{tid}/syscall") or "running").split(" ", 1)[0]
+            try:
+                out[int(tid)] = int(first)
+            except ValueError:
+                out[int(tid)] = RUNNING
+        return out
 
     def listening(self, pids: set[int]) -> dict[int, list[str]]:
         out: dict[int, list[str]] = {}
@@ -177,6 +200,11 @@ def settled_snapshot(
     return after
 
 
+# worked(post) -> the pids that did more after the thaw than restart the call
+# they were blocked in, or None when that cannot be told
+Worked = Callable[[dict[int, ProcInfo]], "set[int] | None"]
+
+
 def quiet_baseline(
     table: ProcessTable,
     cgroup_path: Path,
@@ -184,9 +212,10 @@ def quiet_baseline(
     pre_pause: dict[int, ProcInfo],
     max_wait: float,
     step: float = 0.01,
+    worked: Worked | None = None,
 ) -> tuple[dict[int, ProcInfo], set[int]]:
     """The turn baseline after crabd paused the sandbox (freeze, CRIU dump,
-    thaw), and the pids that really ran before the pause.
+    thaw), and the pids that really ran around the pause.
 
     A freeze wakes every task into the freezer and a CRIU dump runs parasite
     code inside each one, so after the thaw every process's context switches
@@ -194,14 +223,21 @@ def quiet_baseline(
     background process would look as if it ran in the next turn, making
     every later turn FS_PROC. The checkpoint holds whatever happened before
     the pause, so the next turn is compared with the quiet state after the
-    thaw instead, with three exceptions that keep the plan conservative:
+    thaw instead, with exceptions that keep the plan conservative:
     - a process that ran between the baseline and the pause (`pre_pause`)
       is returned in the `ran` set, so the next turn still reports it;
     - a process that is new since the baseline stays out of the new
       baseline, so the next turn still reports it as new;
-    - a process that exited keeps its old entry, so it is reported as exited.
-    After the thaw, tasks are sampled `step` apart until none moves (for at
-    most `max_wait`); one still moving then is added to `ran`."""
+    - a process that exited keeps its old entry, so it is reported as exited;
+    - after the thaw, tasks are sampled `step` apart until none moves (for
+      at most `max_wait`); one still moving then is in `ran`;
+    - once quiet, `worked(post)` names the processes that did more after the
+      thaw than restart the call they were blocked in (a write, an open, a
+      sleep that ended: any other system call): they are in `ran`. When it
+      returns None, or is not given, that cannot be told, and every process
+      whose counters moved since `pre_pause` is in `ran`.
+    A process in `ran` keeps its old baseline entry: its work is not folded
+    into the quiet state."""
     ran = {p for p, i in pre_pause.items()
            if p in baseline and baseline[p].start == i.start and i.ran_since(baseline[p])}
     post = snapshot(table, cgroup_path)
@@ -217,8 +253,36 @@ def quiet_baseline(
         if time.monotonic() >= deadline:
             ran |= moving
             break
+    busy = worked(post) if worked is not None else None
+    if busy is None:
+        busy = {p for p, i in post.items() if p in pre_pause and pre_pause[p].start == i.start
+                and i.ran_since(pre_pause[p])}
+    ran |= busy
     new_base: dict[int, ProcInfo] = {}
     for p, old in baseline.items():
         cur = post.get(p)
-        new_base[p] = cur if cur is not None and cur.start == old.start else old
+        new_base[p] = cur if cur is not None and cur.start == old.start and p not in ran else old
     return new_base, ran
+
+
+def restarted_only(table: ProcessTable, pre_pause: dict[int, ProcInfo]) -> Worked:
+    """A `worked` for when no kernel trace of the thawed tasks' calls is
+    available (the /proc fallback, or a thaw the BPF program did not see):
+    from /proc alone, a process did nothing after the thaw only if it did not
+    run at all, or if every one of its threads is now in restart_syscall (the
+    interrupted sleep it was in, resumed: real work ends with a fresh call).
+    Any other process counts as having worked; that is conservative, and costs
+    process images of idle servers blocked in other calls."""
+
+    def worked(post: dict[int, ProcInfo]) -> set[int]:
+        out = set()
+        for p, i in post.items():
+            before = pre_pause.get(p)
+            if before is None or before.start != i.start or not i.ran_since(before):
+                continue  # new (reported as such), or did not run
+            calls = table.blocked_calls(p)
+            if not calls or any(nr != RESTART_SYSCALL_NR for nr in calls.values()):
+                out.add(p)
+        return out
+
+    return worked

@@ -25,7 +25,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ebpf._proc import HostProcessTable, ProcessTable, ProcInfo, quiet_baseline, settled_snapshot, snapshot
+from ebpf._proc import (
+    HostProcessTable,
+    ProcessTable,
+    ProcInfo,
+    quiet_baseline,
+    restarted_only,
+    settled_snapshot,
+    snapshot,
+)
 from ebpf._tmpfs import HostMemoryFs, Manifest, MemoryFs, rescan
 from ebpf._turn import DEFAULT_STATELESS, TurnRecorder, external_tool, package_manager
 from ebpf.effects import MAX_SAMPLES, Effects, ExecRecord, Sample
@@ -134,11 +142,16 @@ class ProcInspector:
 
     def after_pause(self, sandbox_id: str) -> None:
         """As `Inspector.after_pause`: the next turn compares with the quiet
-        state after the thaw; what ran before the pause is still reported."""
+        state after the thaw; what ran before the pause is still reported.
+        Without a kernel trace of the thawed tasks' calls, a process that ran
+        after the thaw counts as active unless /proc shows it only resumed
+        an interrupted sleep (`restarted_only`): idle servers blocked in
+        other calls are then dumped again at the next turn."""
         w = self._get(sandbox_id)
         if w.pre_pause is None:
             return
-        w.baseline, ran = quiet_baseline(self._procs, w.cgroup_path, w.baseline, w.pre_pause, self._settle)
+        w.baseline, ran = quiet_baseline(self._procs, w.cgroup_path, w.baseline, w.pre_pause, self._settle,
+                                         worked=restarted_only(self._procs, w.pre_pause))
         w.ran |= ran
         w.pre_pause = None
 

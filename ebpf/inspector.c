@@ -111,7 +111,39 @@ struct emit_count {
 BPF_PERCPU_ARRAY(emitted, struct emit_count, MAX_TAGS);
 BPF_PERCPU_ARRAY(suppressed, u64, MAX_TAGS * FILE_KINDS_MAX);
 
-static __always_inline u32 sandbox_tag(void)
+/* --- crabd's own pause of a sandbox -------------------------------------------------
+ * crabd freezes a sandbox for each capture, CRIU (for a process image) seizes
+ * its threads with ptrace and runs parasite code in them, then everything is
+ * thawed. What the parasite does is not the sandbox's: while a pause is armed
+ * (`pauses[tag]`, set by userspace around it), a thread the host seized
+ * (PTRACE_SEIZE/ATTACH by a task outside every sandbox) is not a member.
+ * The freeze wakes tasks out of some calls (-ERESTART*, -EINTR at exit: a
+ * `woke.restart` credit); after the thaw, a thread that only re-enters that
+ * call, or restart_syscall, did nothing. Any other system call entry a
+ * member makes while the pause is armed is counted (`woke.other`): that
+ * thread did work, after the thaw or just before the freeze, and its process
+ * belongs to the next turn. The raw_syscalls programs run for every system
+ * call of the host: userspace attaches them only while a pause is armed
+ * (`pausing` counts armed tags, and guards them too). */
+struct woke {
+    u32 tgid;
+    u32 tag;
+    s64 restart; /* the call an interruption allows to re-enter once, -1 = none */
+    u64 other;   /* other system call entries */
+};
+BPF_ARRAY(pauses, u64, MAX_TAGS);                  /* tag -> 1 while a pause is armed */
+BPF_ARRAY(pausing, u64, 1);                        /* number of armed tags */
+BPF_TABLE("lru_hash", u32, u32, seized, MAX_PIDS); /* tids ptrace-seized from the host */
+BPF_TABLE("lru_hash", u32, struct woke, woken, MAX_PIDS);
+
+static __always_inline int pausing_now(void)
+{
+    int z = 0;
+    u64 *n = pausing.lookup(&z);
+    return n && *n;
+}
+
+static __always_inline u32 member_tag(void)
 {
 #if FOLLOW_PIDS
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
@@ -137,6 +169,17 @@ static __always_inline u32 sandbox_tag(void)
     }
     return 0;
 #endif
+}
+
+static __always_inline u32 sandbox_tag(void)
+{
+    u32 tag = member_tag();
+    if (tag && pausing_now()) {
+        u32 tid = (u32)bpf_get_current_pid_tgid();
+        if (seized.lookup(&tid))
+            return 0; /* CRIU's parasite at work in it */
+    }
+    return tag;
 }
 
 static __always_inline void count_drop(u32 tag)
@@ -499,6 +542,13 @@ TRACEPOINT_PROBE(syscalls, sys_enter_process_vm_writev)
 TRACEPOINT_PROBE(syscalls, sys_enter_ptrace)
 {
     long r = args->request;
+    u32 target = args->pid;
+    if ((r == 16 || r == 0x4206) && pausing_now() && !member_tag()) { /* ATTACH, SEIZE */
+        u32 one = 1;
+        seized.update(&target, &one);
+    } else if (r == 17) { /* DETACH */
+        seized.delete(&target);
+    }
     /* POKETEXT, POKEDATA, POKEUSER, SETREGS, SETFPREGS, SETREGSET, SETSIGINFO */
     if (r == 4 || r == 5 || r == 6 || r == 13 || r == 15 || r == 0x4205 || r == 0x4203)
         return simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, 3);
@@ -643,5 +693,66 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
     if (!e)
         return 0;
     events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+    return 0;
+}
+
+static __always_inline int armed(u32 tag)
+{
+    int k = tag;
+    u64 *a = pauses.lookup(&k);
+    return a && *a;
+}
+
+TRACEPOINT_PROBE(raw_syscalls, sys_enter)
+{
+    if (!pausing_now())
+        return 0;
+    u32 tag = sandbox_tag();
+    if (!tag || !armed(tag))
+        return 0;
+    u64 pt = bpf_get_current_pid_tgid();
+    u32 tid = (u32)pt;
+    long nr = args->id;
+    struct woke *w = woken.lookup(&tid);
+    if (!w) {
+        /* no interrupted call before it: the thread ran user code */
+        struct woke nw = {.tgid = pt >> 32, .tag = tag, .restart = -1, .other = nr != RESTART_SYSCALL_NR};
+        woken.update(&tid, &nw);
+        return 0;
+    }
+    if (nr == RESTART_SYSCALL_NR || nr == w->restart) {
+        w->restart = -1; /* the interrupted call, resumed */
+        return 0;
+    }
+    w->restart = -1;
+    w->other += 1;
+    return 0;
+}
+
+TRACEPOINT_PROBE(raw_syscalls, sys_exit)
+{
+    if (!pausing_now())
+        return 0;
+    long ret = args->ret;
+    long nr = args->id;
+    /* -EINTR, -ERESTARTSYS, -ERESTARTNOINTR, -ERESTARTNOHAND, -ERESTART_RESTARTBLOCK;
+     * nr -1: a return to user space that is no system call's (a sigreturn) */
+    if (nr < 0 || (ret != -4 && (ret < -516 || ret > -512)))
+        return 0;
+    u32 tag = member_tag(); /* seized too: CRIU's seize interrupts the call */
+    if (!tag || !armed(tag))
+        return 0;
+    u64 pt = bpf_get_current_pid_tgid();
+    u32 tid = (u32)pt;
+    struct woke *w = woken.lookup(&tid);
+    if (w) {
+        /* in a seized thread, the first interruption is of the thread's
+         * own call; later ones are the parasite's */
+        if (w->restart < 0 || !seized.lookup(&tid))
+            w->restart = nr;
+    } else {
+        struct woke nw = {.tgid = pt >> 32, .tag = tag, .restart = nr, .other = 0};
+        woken.update(&tid, &nw);
+    }
     return 0;
 }

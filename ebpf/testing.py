@@ -54,6 +54,12 @@ class FakeLoader:
         self.fail_open: Exception | None = None
         self.epochs: dict[int, int] = {}
         self.suppressed: dict[int, dict[int, int]] = {}
+        # crabd's pauses: the armed tags; what the kernel would count in
+        # them is set by the test (`woke`); it drops CRIU's parasite's
+        # events itself, so the fake never sees them
+        self.pauses: set[int] = set()
+        self.woken: dict[int, set[int]] = {}
+        self.ended: list[int] = []
 
     def program(self) -> str:
         return program_text(self.mode == "bpf-pids")
@@ -92,6 +98,21 @@ class FakeLoader:
         d = self.suppressed.setdefault(tag, {})
         d[kind] = d.get(kind, 0) + n
 
+    def begin_pause(self, tag: int) -> None:
+        self.pauses.add(tag)
+        self.woken[tag] = set()
+
+    def woke(self, tag: int, *pids: int) -> None:
+        """Pretend threads of `pids` made system calls in the pause beyond restarting an interrupted one."""
+        self.woken.setdefault(tag, set()).update(pids)
+
+    def end_pause(self, tag: int) -> set[int]:
+        if tag not in self.pauses:
+            return set()
+        self.pauses.discard(tag)
+        self.ended.append(tag)
+        return self.woken.pop(tag, set())
+
     def next_epoch(self, tag: int) -> None:
         self.epochs[tag] = self.epochs.get(tag, 0) + 1
 
@@ -122,6 +143,7 @@ class FakeProcessTable:
     members: dict[Path, set[int]] = field(default_factory=dict)
     procs: dict[int, ProcInfo] = field(default_factory=dict)
     sockets: dict[int, list[str]] = field(default_factory=dict)
+    blocked: dict[int, dict[int, int]] = field(default_factory=dict)  # pid -> tid -> call blocked in
 
     def start(self, cgroup: str | Path, pid: int, cmdline: tuple[str, ...] = ("sh",), start: int = 1) -> ProcInfo:
         info = ProcInfo(pid, start, 0, 0, False, cmdline[0].rsplit("/", 1)[-1][:15], cmdline)
@@ -146,6 +168,12 @@ class FakeProcessTable:
 
     def listening(self, pids: set[int]) -> dict[int, list[str]]:
         return {p: a for p, a in self.sockets.items() if p in pids}
+
+    def blocked_calls(self, pid: int) -> dict[int, int]:
+        """tid -> call number; one thread, in call 0 (read), unless `blocked` says otherwise."""
+        if pid not in self.procs:
+            return {}
+        return dict(self.blocked.get(pid, {pid: 0}))
 
 
 # --- labelled turns and a cgroup cell to run them in (root) ----------------------

@@ -397,3 +397,62 @@ def test_end_turn_waits_for_new_processes_to_settle():
     busy.start(CG, 5, ("yes",))
     snap = settled_snapshot(busy, CG, {}, max_wait=0.05, step=0.005)  # returns: it gave up
     assert 5 in snap
+
+
+# --- crabd's own pause (issue 14 B) ------------------------------------------------
+
+
+@pytest.fixture
+def paused(env):
+    """A sandbox with an older background process (pid 100) and a first turn
+    done; returns (insp, loader, procs, tag) with the pause begun."""
+    insp, loader, procs, tag = env
+    procs.start(CG, 100, ("python3", "child.py"), start=10)
+    insp.end_turn("sb")
+    insp.end_turn("sb")  # 100 is now an older process
+    insp.before_pause("sb")
+    assert loader.pauses == {tag}
+    return insp, loader, procs, tag
+
+
+def test_work_right_after_the_thaw_is_the_next_turns(paused):
+    """The kernel drops what CRIU's parasite does; what the sandbox does
+    during and after the pause is recorded, and the process that did it is
+    active (the kernel saw it do more than restart its sleep)."""
+    insp, loader, procs, tag = paused
+    loader.emit(ev(K.OPEN_WRITE, tag, path="/work/late.txt", arg=O_WRONLY | O_CREAT, ts=10**9))
+    insp._drain()  # the poll thread, during the pause
+    procs.run(100, 2)
+    loader.woke(tag, 100)
+    insp.after_pause("sb")
+    e = insp.end_turn("sb")
+    assert e.files["write"].sample == ["/work/late.txt"]
+    assert [p.pid for p in e.active_processes] == [100]
+    assert classify(e).kind is PlanKind.FS_PROC
+    assert loader.ended == [tag], "disarmed once quiet"
+
+
+def test_a_wake_up_that_only_restarts_its_call_is_absorbed(paused):
+    insp, loader, procs, tag = paused
+    procs.run(100, 3)  # the freeze woke it; the kernel saw nothing more
+    insp.after_pause("sb")
+    e = insp.end_turn("sb")
+    assert e.active_processes == []
+    assert classify(e).kind is PlanKind.SKIP
+
+
+def test_a_process_that_woke_counts_even_without_a_traced_event(paused):
+    """A write through an fd opened earlier is only counted in the kernel;
+    its thread's calls in the pause still make it active."""
+    insp, loader, procs, tag = paused
+    procs.run(100, 3)
+    loader.woke(tag, 100)
+    insp.after_pause("sb")
+    e = insp.end_turn("sb")
+    assert [p.pid for p in e.active_processes] == [100]
+
+
+def test_unwatch_in_a_pause_disarms_it(paused):
+    insp, loader, procs, tag = paused
+    insp.unwatch("sb")
+    assert loader.ended == [tag] and not loader.pauses
