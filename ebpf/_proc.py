@@ -29,9 +29,14 @@ class ProcInfo:
     running: bool  # some thread is in state R
     comm: str = ""
     cmdline: tuple[str, ...] = ()
+    # Pending signals (each thread's SigPnd, then ShdPnd): a signal sent to a
+    # process that blocks it changes its state without running it (the
+    # oracle found such a turn planned SKIP).
+    pending: str = ""
 
     def ran_since(self, before: ProcInfo) -> bool:
-        return self.running or self.cpu != before.cpu or self.switches != before.switches
+        return (self.running or self.cpu != before.cpu or self.switches != before.switches
+                or self.pending != before.pending)
 
 
 class ProcessTable(Protocol):
@@ -83,6 +88,8 @@ class HostProcessTable:
         start = int(f[19])
         cpu = switches = 0
         running = False
+        pending: list[str] = []
+        shared = ""
         try:
             tids = os.listdir(f"/proc/{pid}/task")
         except OSError:
@@ -97,9 +104,14 @@ class HostProcessTable:
             for line in status.splitlines():
                 if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
                     switches += int(line.split()[1])
+                elif line.startswith("SigPnd:"):
+                    pending.append(f"{tid}:{line.split()[1]}")
+                elif line.startswith("ShdPnd:"):
+                    shared = line.split()[1]
         raw = _read(f"/proc/{pid}/cmdline") or ""
         cmdline = tuple(a for a in raw.split("\0") if a) if raw else ()
-        return ProcInfo(pid, start, cpu, switches, running, comm, cmdline)
+        return ProcInfo(pid, start, cpu, switches, running, comm, cmdline,
+                        " ".join(sorted(pending) + [f"shared:{shared}"]))
 
     def blocked_calls(self, pid: int) -> dict[int, int]:
         out = {}
