@@ -536,10 +536,8 @@ class Suite:
                     break
                 t0 = time.monotonic()
                 try:
-                    o = getattr(self, v)(c, t)
-                except (CrabdError, AssertionError, OSError) as e:
-                    o = Outcome(t.name, v, False, f"{type(e).__name__}: {e}"[:400])
-                except Exception as e:  # httpx timeouts and the like: one test, not the run
+                    o = self.native(c, t) if v == "native" else self.checkpointed(c, t, v)
+                except Exception as e:  # crabd errors, hang guards, httpx timeouts: one test, not the run
                     o = Outcome(t.name, v, False, f"{type(e).__name__}: {e}"[:400])
                 o.seconds = round(time.monotonic() - t0, 2)
                 out.append(o)
@@ -626,83 +624,65 @@ class Suite:
         finally:
             self._drop(c, sid)
 
-    def dump_continue(self, c: Any, t: ZdtmTest) -> Outcome:
+    def checkpointed(self, c: Any, t: ZdtmTest, variant: str) -> Outcome:
+        """The start of every variant but native: a fresh sandbox, the test
+        started, a `true` turn whose checkpoint must hold a process image;
+        then the variant's own steps on (sandbox, checkpoint)."""
         sid = self._sandbox(c)
+        made: list[str] = []   # sandboxes the variant makes (forks), dropped too
         try:
             ck = self._start_and_true(c, sid, t)
             missing = self._proc_missing(c, sid, ck)
-            ok, why = self._verdict(c, sid, t)
             if missing:
-                return Outcome(t.name, "dump_continue", False, missing)
-            return Outcome(t.name, "dump_continue", ok, why)
+                return Outcome(t.name, variant, False, missing)
+            ok, why, restored = getattr(self, variant)(c, t, sid, ck, made)
+            return Outcome(t.name, variant, ok, why, restored)
         finally:
-            self._drop(c, sid)
+            self._drop(c, *made, sid)
 
-    def auto_recovery(self, c: Any, t: ZdtmTest) -> Outcome:
+    def dump_continue(self, c: Any, t: ZdtmTest, sid: str, ck: dict[str, Any],
+                      made: list[str]) -> tuple[bool, str, str | None]:
+        return (*self._verdict(c, sid, t), None)
+
+    def auto_recovery(self, c: Any, t: ZdtmTest, sid: str, ck: dict[str, Any],
+                      made: list[str]) -> tuple[bool, str, str | None]:
         from crabd.testing import wait_until
-        sid = self._sandbox(c)
-        try:
-            ck = self._start_and_true(c, sid, t)
-            missing = self._proc_missing(c, sid, ck)
-            if missing:
-                return Outcome(t.name, "auto_recovery", False, missing)
-            since = max([e["seq"] for e in self._events(c, sid, 0)] or [0])
-            for pid in self.rt.pids(sid):  # as the OOM killer or a crash would
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            done = ("sandbox.rolled_back", "sandbox.recovery_failed")
-            evs = wait_until(lambda: (e := self._events(c, sid, since)) and any(x["kind"] in done for x in e) and e,
-                             f"automatic recovery of {sid}", STEP_TIMEOUT, interval=0.1)
-            kinds = {e["kind"]: e for e in evs}  # type: ignore[union-attr]
-            if "sandbox.recovery_failed" in kinds:
-                return Outcome(t.name, "auto_recovery", False,
-                               f"recovery failed: {kinds['sandbox.recovery_failed']['data'].get('error')}"[:400])
-            if "sandbox.restore_failed" in kinds:
-                return Outcome(t.name, "auto_recovery", False,
-                               f"restore failed: {kinds['sandbox.restore_failed']['data'].get('error')}"[:400], "fs")
-            ok, why = self._verdict(c, sid, t)
-            return Outcome(t.name, "auto_recovery", ok, why, "fs+proc")
-        finally:
-            self._drop(c, sid)
+        since = max([e["seq"] for e in self._events(c, sid, 0)] or [0])
+        for pid in self.rt.pids(sid):  # as the OOM killer or a crash would
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        done = ("sandbox.rolled_back", "sandbox.recovery_failed")
+        evs = wait_until(lambda: (e := self._events(c, sid, since)) and any(x["kind"] in done for x in e) and e,
+                         f"automatic recovery of {sid}", STEP_TIMEOUT, interval=0.1)
+        kinds = {e["kind"]: e for e in evs}  # type: ignore[union-attr]
+        if "sandbox.recovery_failed" in kinds:
+            return False, f"recovery failed: {kinds['sandbox.recovery_failed']['data'].get('error')}"[:400], None
+        if "sandbox.restore_failed" in kinds:
+            return False, f"restore failed: {kinds['sandbox.restore_failed']['data'].get('error')}"[:400], "fs"
+        return (*self._verdict(c, sid, t), "fs+proc")
 
-    def rollback(self, c: Any, t: ZdtmTest) -> Outcome:
-        sid = self._sandbox(c)
-        try:
-            ck = self._start_and_true(c, sid, t)
-            missing = self._proc_missing(c, sid, ck)
-            if missing:
-                return Outcome(t.name, "rollback", False, missing)
-            c.exec(sid, ["/bin/sh", "-c", f"kill -KILL $(cat {t.name}.pid)"], cwd=RUN_DIR, timeout=STEP_TIMEOUT)
-            r = c.rollback(sid, ck["id"])
-            restored = r.get("restored")
-            if not str(restored).startswith("fs+proc"):
-                err = [e["data"].get("error") for e in self._events(c, sid, 0) if e["kind"] == "sandbox.restore_failed"]
-                return Outcome(t.name, "rollback", False, f"processes not restored ({restored}): "
-                               f"{err[-1] if err else 'no restore_failed event'}"[:400], restored)
-            ok, why = self._verdict(c, sid, t)
-            return Outcome(t.name, "rollback", ok, why, restored)
-        finally:
-            self._drop(c, sid)
+    def rollback(self, c: Any, t: ZdtmTest, sid: str, ck: dict[str, Any],
+                 made: list[str]) -> tuple[bool, str, str | None]:
+        c.exec(sid, ["/bin/sh", "-c", f"kill -KILL $(cat {t.name}.pid)"], cwd=RUN_DIR, timeout=STEP_TIMEOUT)
+        restored = c.rollback(sid, ck["id"]).get("restored")
+        if not str(restored).startswith("fs+proc"):
+            err = self._restore_errors(c, sid)
+            why = f"processes not restored ({restored}): {err[-1] if err else 'no restore_failed event'}"
+            return False, why[:400], restored
+        return (*self._verdict(c, sid, t), restored)
 
-    def fork(self, c: Any, t: ZdtmTest) -> Outcome:
-        sid = self._sandbox(c)
-        forks: list[str] = []
-        try:
-            ck = self._start_and_true(c, sid, t)
-            missing = self._proc_missing(c, sid, ck)
-            if missing:
-                return Outcome(t.name, "fork", False, missing)
-            forks = c.fork(ck["id"])["sandboxes"]
-            fid = forks[0]
-            err = [e["data"].get("error") for e in self._events(c, fid, 0) if e["kind"] == "sandbox.restore_failed"]
-            if err:
-                return Outcome(t.name, "fork", False, f"restore into the fork failed: {err[-1]}"[:400], "fs")
-            ok, why = self._verdict(c, fid, t)
-            return Outcome(t.name, "fork", ok, why, "fs+proc")
-        finally:
-            self._drop(c, *forks, sid)
+    def fork(self, c: Any, t: ZdtmTest, sid: str, ck: dict[str, Any],
+             made: list[str]) -> tuple[bool, str, str | None]:
+        made.extend(c.fork(ck["id"])["sandboxes"])
+        err = self._restore_errors(c, made[0])
+        if err:
+            return False, f"restore into the fork failed: {err[-1]}"[:400], "fs"
+        return (*self._verdict(c, made[0], t), "fs+proc")
+
+    def _restore_errors(self, c: Any, sid: str) -> list[str]:
+        return [str(e["data"].get("error")) for e in self._events(c, sid, 0) if e["kind"] == "sandbox.restore_failed"]
 
 
 # --- the run -----------------------------------------------------------------------------------------
