@@ -173,3 +173,23 @@ def test_sources_digest_from_showsrc() -> None:
     assert zdtm._sources_sha256(show, "criu_4.1.1.orig.tar.xz") == \
         "f80a66cb3726bb2116266d4759ce3bcbfab7abdb6b6d430bf20dd41911717afe"
     assert zdtm._sources_sha256(show, "criu_4.1.1-1.debian.tar.xz") is None
+
+
+def test_start_failure_and_step_outputs() -> None:
+    out = "@@nostart exit 1\n10:00:00.1: 13: ERR: sched_prio00.c:51: Can't set prio 0 (errno = 13)\n\n"
+    assert zdtm.start_failure(out) == "did not start (exit 1): 10:00:00.1: 13: ERR: sched_prio00.c:51: " \
+                                      "Can't set prio 0 (errno = 13)"
+    assert zdtm.start_failure("@@nostart exit 2\n") == "did not start (exit 2): no message"
+    assert zdtm.read_verdict("@@gone\n") == (False, "the test process is gone (not restored)")
+    ok, why = zdtm.read_verdict("@@noout\nwaiting\n")
+    assert not ok and why.startswith("no verdict") and why.endswith("waiting")
+    assert zdtm.read_verdict("PASS\n") == (True, "PASS")
+
+
+def test_an_interrupted_test_is_not_a_result_and_issue_tests_run_first() -> None:
+    v = list(zdtm.VARIANTS)
+    assert zdtm.complete([Outcome("a", "native", False, "x")], v)
+    assert not zdtm.complete([Outcome("a", "native", True), Outcome("a", "dump_continue", True)], v)
+    assert zdtm.complete([Outcome("a", x, True) for x in v], v)
+    names = [t.name for t in zdtm.order([ZdtmTest(n, []) for n in ("aaa", "pipe00", "stopped", "pid00")])]
+    assert names == ["stopped", "pid00", "pipe00", "aaa"]
