@@ -570,6 +570,8 @@ class Suite:
 
     # -- steps -------------------------------------------------------------------------------
     def _sandbox(self, c: Any) -> str:
+        if self.stop.is_set():  # interrupted: make nothing the cleanup could miss
+            raise InterruptedError("the run is stopping")
         return c.create_sandbox(self.image)["id"]
 
     def _drop(self, c: Any, *sids: str) -> None:
@@ -701,6 +703,8 @@ class Suite:
 
     def fork(self, c: Any, t: ZdtmTest, sid: str, ck: dict[str, Any],
              made: list[str]) -> tuple[bool, str, str | None]:
+        if self.stop.is_set():
+            raise InterruptedError("the run is stopping")
         made.extend(c.fork(ck["id"])["sandboxes"])
         err = self._restore_errors(c, made[0])
         if err:
@@ -772,10 +776,11 @@ def run(tests: list[ZdtmTest], image: str, variants: list[str], jobs: int,
             interrupted = True
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         finally:
-            # No new variant starts; the daemon's shutdown below makes the
-            # ones in flight fail at their next request.
+            # No new variant or sandbox starts; the ones in flight end and
+            # drop their sandboxes before the daemon's shutdown lists what is
+            # left (a sandbox made after that list would outlive the daemon).
             stop.set()
-            pool.shutdown(wait=False, cancel_futures=True)
+            pool.shutdown(wait=True, cancel_futures=True)
     finally:
         stop.set()
         signal.signal(signal.SIGTERM, old)
