@@ -647,6 +647,12 @@ def bench_oracle(ctx: typer.Context) -> None:
     _bench("oracle.py", ctx.args)
 
 
+@bench_app.command("zdtm", context_settings=_BENCH_CTX)
+def bench_zdtm(ctx: typer.Context) -> None:
+    """CRIU's zdtm static tests through crabd: native, dump, recovery, rollback, fork (bench/zdtm.py; --quick, --tests, --json)."""
+    _bench("zdtm.py", ctx.args)
+
+
 def main() -> None:
     app()
 
