@@ -21,19 +21,18 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Pipes, unix sockets, POSIX timers, pending signals, an eventfd: each
 # passes every variant on main.
-SUBSET = ("pipe00", "sockets00", "posix_timers", "sigpending", "eventfs00")
+# The last four failed on main before issue 15's fixes (bench/results/zdtm:
+# lo up after the restore, no --tcp-established, no --file-locks, no
+# CAP_SYS_RESOURCE for CRIU's rlimit read); bench/results/zdtm/after-fixes
+# has the whole list of the issue's failures passing now but these.
+SUBSET = ("pipe00", "sockets00", "posix_timers", "sigpending", "eventfs00",
+          "socket_udp", "socket-tcp-local", "file_lease00", "pid00")
 
-# Fail on main (issue 15's table, and `crabd bench zdtm`); the fixes of
-# issue 15 point 2 move each into SUBSET once it passes.
+# Still not restorable, by a property of these hosts (reported in the
+# checkpoint's reasons and by `crabd doctor`, see README Reliability).
 KNOWN_FAILING_ISSUE_15 = {
-    "stopped": "CRIU hangs seizing a stopped task in the frozen cgroup; the sandbox stays FROZEN",
-    "socket_udp": "restore: lo is brought up only after the restore (Network is unreachable)",
-    "socket-tcp": "the host's /dev/null as stdin: Can't lookup mount for fd=0",
-    "socket-tcp-local": "connected TCP socket: crabd does not pass --tcp-established",
-    "file_locks00": "file locks held: crabd does not pass --file-locks",
-    "file_locks01": "file locks held: crabd does not pass --file-locks",
-    "file_lease00": "file lease held: crabd does not pass --file-locks",
-    "pid00": "Can't get rlimit 0: Operation not permitted (no CAP_SYS_RESOURCE)",
+    "stopped": "host limit: cgroup v1 freezer + PTRACE_SEIZE of a stopped task (the dump is refused at once)",
+    "socket-tcp-skip-in-flight": "an in-flight (not yet accepted) connection: crabd does not pass --skip-in-flight",
 }
 
 
