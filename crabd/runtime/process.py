@@ -264,15 +264,19 @@ STOPPED_TASK_LIMIT = (
     "stopped* tests fail with --freeze-cgroup, criu PR #1905)")
 
 
+def _procs(procs_file: Path) -> list[int]:
+    """The pids a cgroup.procs file lists (none when it cannot be read)."""
+    try:
+        return [int(x) for x in procs_file.read_text().split()]
+    except OSError:
+        return []
+
+
 def _check_not_stopped(sb: Sandbox, procs_file: Path) -> None:
     """Refuse, before freezing, a dump CRIU would hang in: a task stopped by
     SIGSTOP/SIGTSTP/SIGTTIN/SIGTTOU (state T) on a cgroup v1 freezer."""
     stopped = []
-    try:
-        pids = [int(x) for x in procs_file.read_text().split()]
-    except OSError:
-        return
-    for pid in pids:
+    for pid in _procs(procs_file):
         try:
             with open(f"/proc/{pid}/stat", "rb") as f:
                 data = f.read()
@@ -297,11 +301,7 @@ def _check_one_time_ns(sb: Sandbox, procs_file: Path) -> None:
     exec'd in it). Found by the ground-truth oracle (bench/oracle.py): the
     dump succeeded and every later restore fell back to a fresh init."""
     seen: dict[int, list[int]] = {}
-    try:
-        pids = [int(x) for x in procs_file.read_text().split()]
-    except OSError:
-        return
-    for pid in pids:
+    for pid in _procs(procs_file):
         try:
             seen.setdefault(os.stat(f"/proc/{pid}/ns/time").st_ino, []).append(pid)
         except OSError:
