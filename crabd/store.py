@@ -278,9 +278,11 @@ class Store:
         # Called with a committed checkpoint row, returns its seals (the daemon
         # sets it: the store does not know layers or images).
         self.sealer: Any = None
-        # Called before each write (the daemon sets it): frees the state
-        # dir's space reserve when the file system is (nearly) full, so that
-        # SQLite's write to its WAL index never faults (see _nocow_wal_index).
+        # Called before each write, and before the reads of a row (the daemon
+        # sets it): frees the state dir's space reserve when the file system
+        # is (nearly) full, so that SQLite's write to its WAL index never
+        # faults (see _nocow_wal_index). A read writes there too: a read
+        # transaction takes a read mark in the WAL index.
         self.before_write: Any = None
         self._lock = threading.RLock()
         _nocow_wal_index(self.path)
@@ -356,6 +358,8 @@ class Store:
                 raise AlreadyExists(f"a sandbox named {row.name!r} already exists") from e
 
     def get_sandbox(self, ref: str) -> SandboxRow:
+        if self.before_write is not None:
+            self.before_write()
         with self._lock:
             r = self._db.execute("SELECT * FROM sandboxes WHERE id=? OR name=?", (ref, ref)).fetchone()
         if r is None:
@@ -442,6 +446,8 @@ class Store:
             self._db.execute("UPDATE checkpoints SET state='failed', error=? WHERE id=?", (error, cid))
 
     def get_checkpoint(self, cid: str, *, verify: bool = False) -> CheckpointRow:
+        if self.before_write is not None:
+            self.before_write()
         with self._lock:
             row = self._get_checkpoint_unlocked(cid)
         if verify:
