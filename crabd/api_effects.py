@@ -18,18 +18,17 @@ sandbox/effect, 409 a finished effect or a used-up budget
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Path, Query
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from .api import Id, Text
+from .api import AS_INT, Id, StrictIn, Text
 
 __all__ = ["make_router"]
 
 
-class IntentIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class IntentIn(StrictIn):
     op: Text = Field(min_length=1, max_length=200, description="operation name, e.g. 'email.send'")
     key: Text | None = Field(None, min_length=1, max_length=500, description="idempotency key")
     args: Any = Field(None, description="the call's arguments (JSON); fingerprinted, not stored")
@@ -39,8 +38,7 @@ class IntentIn(BaseModel):
     force: bool = Field(False, description="execute even when a match says replay/ask/reconcile")
 
 
-class FinishIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FinishIn(StrictIn):
     receipt: Any = Field(None, description="downstream ids etc. (JSON), returned on replay")
     result_digest: Text | None = Field(None, max_length=200)
     error: Text | None = Field(None, max_length=4096)
@@ -50,21 +48,18 @@ class ReconcileIn(FinishIn):
     outcome: Literal["committed", "failed"]
 
 
-class PolicyIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class PolicyIn(StrictIn):
     policy: Literal["replay", "allow", "ask"]
 
 
-class BudgetIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    turns: int | None = Field(None, ge=0, le=10**15)
+class BudgetIn(StrictIn):
+    turns: Annotated[int, Field(ge=0, le=10**15), AS_INT] | None = None
     wall_s: float | None = Field(None, ge=0, le=1e15)
     cost: float | None = Field(None, ge=0, le=1e15)
-    retries: int | None = Field(None, ge=0, le=10**15)
+    retries: Annotated[int, Field(ge=0, le=10**15), AS_INT] | None = None
 
 
-class ChargeIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ChargeIn(StrictIn):
     cost: float = Field(gt=0, le=1e12)
 
 
