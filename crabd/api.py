@@ -85,24 +85,28 @@ class StrictIn(BaseModel):
 
 
 class LimitsIn(StrictIn):
-    memory_bytes: Annotated[int, Field(ge=16 * 1024**2, le=1 << 50), AS_INT] | None = 2 * 1024**3
-    pids: Annotated[int, Field(ge=8, le=1_000_000), AS_INT] | None = 1024
-    cpus: float | None = Field(None, gt=0, le=1024)
+    memory_bytes: Annotated[int, Field(ge=16 * 1024**2, le=1 << 50), AS_INT] | None = Field(
+        2 * 1024**3, description="memory limit of the sandbox's cgroup (bytes); null: none")
+    pids: Annotated[int, Field(ge=8, le=1_000_000), AS_INT] | None = Field(
+        1024, description="most processes and threads at once; null: none")
+    cpus: float | None = Field(None, gt=0, le=1024, description="CPU quota in cores; null: none")
 
 
 class SandboxCreate(StrictIn):
     image: Name = Field(description="an image name (crabd image ls)")
     name: Name | None = Field(None, description="a unique name for the sandbox; usable wherever its id is")
-    limits: LimitsIn | None = None
+    limits: LimitsIn | None = Field(None, description="cgroup limits; the defaults when omitted")
 
 
 class ExecIn(StrictIn):
     cmd: Annotated[list[Text], Field(min_length=1)] | Annotated[Text, Field(min_length=1)] = Field(
         description="argv list, or a string run by /bin/sh -c")
-    timeout: float | None = Field(600.0, gt=0, le=86400)
-    env: Env | None = None
-    cwd: Text | None = Field(None, min_length=1, max_length=4096)
-    stdin: Utf8 | None = Field(None, max_length=MAX_BODY)
+    timeout: float | None = Field(600.0, gt=0, le=86400,
+                                  description="seconds; then the command's process tree is killed (408)")
+    env: Env | None = Field(None, description="environment variables added to the image's")
+    cwd: Text | None = Field(None, min_length=1, max_length=4096,
+                             description="working directory in the sandbox; the image's when omitted")
+    stdin: Utf8 | None = Field(None, max_length=MAX_BODY, description="text given to the command on stdin")
 
 
 class RollbackIn(StrictIn):
@@ -111,7 +115,7 @@ class RollbackIn(StrictIn):
 
 
 class ForkIn(StrictIn):
-    count: Annotated[int, Field(ge=1, le=64), AS_INT] = 1
+    count: Annotated[int, Field(ge=1, le=64), AS_INT] = Field(1, description="how many sandboxes")
 
 
 class ErrorBody(BaseModel):
@@ -316,62 +320,83 @@ def make_app(daemon: Daemon, *, token: str | None = None, tokens: dict[str, str]
     # --- sandboxes ------------------------------------------------------------------
     @app.post("/v1/sandboxes", status_code=201)
     async def create_sandbox(body: SandboxCreate, owner: Owner) -> dict[str, Any]:
+        """A new sandbox from an image, started, with its initial checkpoint; 201 and the sandbox."""
         lim = Limits(**body.limits.model_dump()) if body.limits else Limits()
         row = await call(daemon.create_sandbox, body.image, name=body.name, limits=lim, owner=owner or "")
         return await call(daemon.sandbox_info, row.id)
 
     @app.get("/v1/sandboxes")
     async def list_sandboxes(owner: Owner) -> dict[str, Any]:
+        """Every sandbox the caller may see: `{"sandboxes": [...]}`."""
         rows = await call(daemon.store.list_sandboxes, owner)
         return {"sandboxes": [await call(daemon.sandbox_info, r.id) for r in rows]}
 
     @app.get("/v1/sandboxes/{sid}")
     async def get_sandbox(sid: Id, owner: Owner) -> dict[str, Any]:
+        """One sandbox: state, image, head checkpoint, branch, turn, limits."""
         return await call(daemon.sandbox_info, sid, owner)
 
     @app.delete("/v1/sandboxes/{sid}")
     async def delete_sandbox(sid: Id, owner: Owner) -> dict[str, Any]:
+        """Destroy the sandbox and its checkpoints (not the checkpoints its forks still use)."""
         await daemon.destroy(sid, owner)
         return {"removed": sid}
 
     @app.post("/v1/sandboxes/{sid}/exec", name="exec")
     async def exec_(sid: Id, body: ExecIn, owner: Owner) -> dict[str, Any]:
+        """One agent turn: run `cmd`, then plan and start its checkpoint in the background. Replies at once
+        with `exit_code`, `stdout`, `stderr`, `turn`, `checkpoint`, `plan`, `reasons`, `stall_ms`, `branch`.
+        408 with the partial output on timeout."""
         return await daemon.exec(sid, body.cmd, timeout=body.timeout, env=body.env, cwd=body.cwd, stdin=body.stdin,
                                  owner=owner)
 
     @app.post("/v1/sandboxes/{sid}/turns/end")
     async def end_turn(sid: Id, owner: Owner) -> dict[str, Any]:
+        """An explicit turn boundary, for agents that run commands another way: checkpoint what changed since
+        the last one."""
         return await daemon.end_turn(sid, owner)
 
     # --- checkpoints -----------------------------------------------------------------
     @app.get("/v1/sandboxes/{sid}/checkpoints")
     async def list_checkpoints(sid: Id, owner: Owner, all: bool = False) -> dict[str, Any]:
+        """The sandbox's checkpoints, oldest first (`all=true`: failed ones too), each with why retention keeps
+        it."""
         return {"checkpoints": await call(daemon.list_checkpoints, sid, owner, all_states=all)}
 
     @app.post("/v1/sandboxes/{sid}/checkpoints", status_code=201)
     async def create_checkpoint(sid: Id, owner: Owner) -> dict[str, Any]:
+        """A manual checkpoint of the sandbox now (files and processes); 201 and the checkpoint."""
         return await daemon.checkpoint_now(sid, owner)
 
     @app.get("/v1/checkpoints/{cid}")
     async def get_checkpoint(cid: Id, owner: Owner) -> dict[str, Any]:
+        """One checkpoint: plan and reasons, effects seen, bytes, phase timings, parent, branch, state."""
         return await call(daemon.checkpoint_info, cid, owner)
 
     @app.delete("/v1/checkpoints/{cid}")
     async def delete_checkpoint(cid: Id, owner: Owner) -> dict[str, Any]:
+        """Delete a checkpoint; its children take its parent."""
         await call(daemon.delete_checkpoint, cid, owner)
         return {"removed": cid}
 
     @app.get("/v1/checkpoints/{a}/diff/{b}")
     async def diff(a: Id, b: Id, owner: Owner,
                    limit: int = Query(10_000, ge=1, le=1_000_000, description="at most this many changes")) -> dict[str, Any]:
+        """Files added, modified and deleted from checkpoint `a` to checkpoint `b` (at most `limit`; `total`
+        and `truncated` say how many there are)."""
         return await call(daemon.diff, a, b, owner, limit)
 
     @app.post("/v1/sandboxes/{sid}/rollback")
     async def rollback(sid: Id, body: RollbackIn, owner: Owner) -> dict[str, Any]:
+        """Roll the sandbox back to a checkpoint (id or sequence number; the newest complete one when omitted):
+        files and processes. A new branch starts there. The reply lists the external effects no rollback
+        undoes (`effects_not_undone`, `ledger`)."""
         return await daemon.rollback(sid, body.checkpoint, owner=owner)
 
     @app.post("/v1/checkpoints/{cid}/fork", status_code=201)
     async def fork(cid: Id, body: ForkIn, owner: Owner) -> dict[str, Any]:
+        """`count` new sandboxes from one checkpoint, each with its files and processes; 201 and `{"sandboxes":
+        [...]}`."""
         return await daemon.fork(cid, body.count, owner)
 
     # --- events, health, metrics ----------------------------------------------------------
@@ -445,10 +470,12 @@ def make_app(daemon: Daemon, *, token: str | None = None, tokens: dict[str, str]
 
     @app.get("/v1/health")
     async def health() -> dict[str, Any]:
+        """The daemon's health: version, snapshot driver, inspector in use, sandboxes."""
         return daemon.health()
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
+        """Prometheus metrics (docs/reference/metrics.md)."""
         from .metrics import CONTENT_TYPE
         return Response(daemon.metrics.render(), media_type=CONTENT_TYPE)
 
