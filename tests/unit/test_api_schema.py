@@ -8,19 +8,19 @@ not state), or a schema-invalid one let through, fails with the body.
 The daemon behind the app is a mock: a body that passes validation reaches
 it and fails there (500), which counts as accepted; only the validation
 layer is under test. The live-daemon versions, with real ids, are
-tests/integration/test_api_fuzz.py."""
+tests/integration/test_api_fuzz.py. About 20 s on the loaded 2-core host (schemathesis's
+generation dominates)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 from unittest import mock
 
-import httpx
 import jsonschema_rs
 import pytest
 import schemathesis
+from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, Phase, given, settings
 
 from crabd.api import make_app
@@ -28,17 +28,18 @@ from crabd.api import make_app
 TOKEN = "admin-token-0123456789"
 # Path parameters that pass the schema's own patterns.
 PATH = {"sid": "sb-0123456789", "cid": "sb-0123456789-1", "eid": "ef-1", "op": "email.send"}
-EXAMPLES = 25
-
-
-def _app() -> Any:
-    daemon = mock.MagicMock()
-    return make_app(daemon, token=TOKEN)
+EXAMPLES = 10
 
 
 @pytest.fixture(scope="module")
 def app() -> Any:
-    return _app()
+    return make_app(mock.MagicMock(), token=TOKEN)
+
+
+@pytest.fixture(scope="module")
+def client(app: Any) -> Any:
+    with TestClient(app, base_url="http://crabd", raise_server_exceptions=False) as c:
+        yield c
 
 
 def _body_operations(spec: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
@@ -51,16 +52,10 @@ def _body_operations(spec: dict[str, Any]) -> list[tuple[str, str, dict[str, Any
     return out
 
 
-def _accepted(app: Any, method: str, path: str, body: Any) -> tuple[bool, str]:
+def _accepted(client: Any, method: str, path: str, body: Any) -> tuple[bool, str]:
     url = path.format(**{k: v for k, v in PATH.items() if "{" + k + "}" in path})
-
-    async def go() -> httpx.Response:
-        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://crabd") as c:
-            return await c.request(method.upper(), url, content=json.dumps(body).encode(),
-                                   headers={"authorization": f"Bearer {TOKEN}", "content-type": "application/json"})
-
-    r = asyncio.run(go())
+    r = client.request(method.upper(), url, content=json.dumps(body).encode(),
+                       headers={"authorization": f"Bearer {TOKEN}", "content-type": "application/json"})
     refused = r.status_code == 422 and r.json().get("error", {}).get("code") == "invalid_argument"
     return not refused, r.text[:300]
 
@@ -72,7 +67,8 @@ def test_every_operation_with_a_body_is_covered(app: Any) -> None:
 
 
 @pytest.mark.parametrize("mode", ["positive", "negative"])
-def test_generated_bodies_are_accepted_exactly_when_the_schema_accepts_them(app: Any, mode: str) -> None:
+def test_generated_bodies_are_accepted_exactly_when_the_schema_accepts_them(app: Any, client: Any,
+                                                                          mode: str) -> None:
     spec = app.openapi()
     schema = schemathesis.openapi.from_dict(spec)
     gen = schemathesis.GenerationMode.POSITIVE if mode == "positive" else schemathesis.GenerationMode.NEGATIVE
@@ -92,7 +88,7 @@ def test_generated_bodies_are_accepted_exactly_when_the_schema_accepts_them(app:
             if not isinstance(body, (dict, list, str, int, float, bool)) and body is not None:
                 return  # no body generated (NOT_SET)
             valid = validator.is_valid(body)
-            ok, text = _accepted(app, method, path, body)
+            ok, text = _accepted(client, method, path, body)
             checked += 1
             if ok != valid:
                 wrong.append(f"{method.upper()} {path} {json.dumps(body)[:200]}: schema says "
@@ -103,7 +99,7 @@ def test_generated_bodies_are_accepted_exactly_when_the_schema_accepts_them(app:
         except Exception as e:  # hypothesis: no negative body exists for a schema without constraints
             if mode == "positive" or "Unsatisfiable" not in type(e).__name__:
                 raise
-    assert checked > 50, checked
+    assert checked > 30, checked
     assert not wrong, "\n".join(wrong[:10])
 
 
@@ -123,12 +119,12 @@ def test_generated_bodies_are_accepted_exactly_when_the_schema_accepts_them(app:
     ("put", "/v1/sandboxes/{sid}/budget", {"turns": 2.0, "cost": 1}, True),
     ("put", "/v1/sandboxes/{sid}/budget", {"turns": "2"}, False),
 ])
-def test_the_cases_the_fuzzer_found_agree_with_the_schema(app: Any, method: str, path: str, body: Any,
-                                                         accepted: bool) -> None:
+def test_the_cases_the_fuzzer_found_agree_with_the_schema(app: Any, client: Any, method: str, path: str,
+                                                         body: Any, accepted: bool) -> None:
     spec = app.openapi()
     schema = spec["paths"][path][method]["requestBody"]["content"]["application/json"]["schema"]
     assert jsonschema_rs.validator_for({**schema, "components": spec["components"]}).is_valid(body) is accepted
-    assert _accepted(app, method, path, body)[0] is accepted
+    assert _accepted(client, method, path, body)[0] is accepted
 
 
 def test_links_lead_from_creates_to_the_operations_that_take_their_ids(app: Any) -> None:
