@@ -493,11 +493,18 @@ def render_events() -> str:
     rows: list[tuple[str, str, str, str]] = []
     if kinds is not None:
         source = "`crabd.daemon.events.EventKind` and the daemon's calls that emit each kind"
+        import re
+        patterns = [(re.compile("^" + re.sub(r"\\\{[^}]*\\\}", "[^.]+", re.escape(k)) + "$"), v)
+                    for k, v in calls.items() if "{" in k]
         for member in kinds:
             entry = calls.get(f"EventKind.{member.name}", {"fields": set(), "where": set()})
             lit = calls.get(str(member.value))
             fields = set(entry["fields"]) | (lit["fields"] if lit else set())
             where = set(entry["where"]) | (lit["where"] if lit else set())
+            for pattern, v in patterns:  # an f-string kind emits every member it matches
+                if pattern.match(str(member.value)):
+                    fields |= v["fields"]
+                    where |= v["where"]
             doc = getattr(member, "description", None) or ""
             rows.append((str(member.value), ", ".join(f"`{f}`" for f in sorted(fields)),
                          ", ".join(f"`{w}`" for w in sorted(where)), doc))

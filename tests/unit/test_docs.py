@@ -79,3 +79,38 @@ def test_the_link_checker_catches_a_broken_link(tmp_path: Path) -> None:
                                    "`[not](a link)`\n")
     assert _links(tmp_path / "a.md") == ["#two-words", "b.md", "#nope"]
     assert "two-words" in _anchors(tmp_path / "a.md") and "nope" not in _anchors(tmp_path / "a.md")
+
+
+def test_events_page_reads_literal_kinds_and_an_event_kind_enum(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon's events come from `_event("kind", ...)` calls today and
+    from an `EventKind` enum once crabd.daemon.events has one: the generator
+    reads both (and f-string kinds), with the data fields of each call."""
+    import enum
+
+    src = tmp_path / "daemon.py"
+    src.write_text(
+        "class D:\n"
+        "    def died(self, sid):\n"
+        "        self._event('sandbox.died', sid, reason='x', after_recovery_to=None)\n"
+        "    def ready(self, sid):\n"
+        "        self._event(EventKind.STANDBY_READY, sid, checkpoint='c')\n"
+        "    def decided(self, out):\n"
+        "        self._event(f\"effect.{out['decision']}\", None, effect=1)\n")
+    monkeypatch.setattr(_docgen, "_daemon_sources", lambda: [src])
+    monkeypatch.setattr(_docgen, "ROOT", tmp_path)
+    monkeypatch.setattr(_docgen, "_event_enum", lambda: None)
+    page = _docgen.render_events()
+    assert "| `sandbox.died` | `after_recovery_to`, `reason` | `daemon.died` |" in page
+    assert "| `effect.{decision}` | `effect` | `daemon.decided` |" in page
+
+    class EventKind(enum.StrEnum):
+        SANDBOX_DIED = "sandbox.died"
+        STANDBY_READY = "standby.ready"
+        EFFECT_REPLAY = "effect.replay"
+
+    monkeypatch.setattr(_docgen, "_event_enum", lambda: EventKind)
+    page = _docgen.render_events()
+    assert "| `standby.ready` | `checkpoint` | `daemon.ready` |" in page
+    assert "| `sandbox.died` | `after_recovery_to`, `reason` | `daemon.died` |" in page
+    assert "| `effect.replay` | `effect` | `daemon.decided` |" in page  # from the f-string kind
+    assert "| `effect.{decision}`" not in page  # the enum is the list of kinds
