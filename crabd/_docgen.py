@@ -131,8 +131,8 @@ def _cli_command(path: list[str], cmd: Any, out: list[str]) -> None:
         out.append("| argument / option | type | default | environment | description |")
         out.append("|---|---|---|---|---|")
         for name, typ, default, env, help_ in rows:
-            out.append(f"| {_code(name)} | {_cell(typ)} | {_cell(_code(default) if default and default != 'required' else default)} "
-                       f"| {_code(env)} | {_cell(help_)} |")
+            shown = _code(default) if default and default != "required" else default
+            out.append(f"| {_code(name)} | {_cell(typ)} | {_cell(shown)} | {_code(env)} | {_cell(help_)} |")
         out.append("")
 
 
@@ -236,16 +236,21 @@ def _constraints(schema: dict[str, Any], doc: dict[str, Any]) -> str:
     return "; ".join(seen)
 
 
+def _json_default(schema: dict[str, Any]) -> str:
+    """A schema's default as a code span, as JSON spells it; "" when it has none."""
+    if "default" not in schema:
+        return ""
+    d = schema["default"]
+    return _code("null" if d is None else str(d).lower() if isinstance(d, bool) else str(d))
+
+
 def _schema_rows(name: str, doc: dict[str, Any], prefix: str = "") -> list[str]:
     schema = doc["components"]["schemas"][name]
     rows = []
     required = set(schema.get("required", []))
     for field, fs in schema.get("properties", {}).items():
-        default = fs.get("default")
-        default_s = "" if "default" not in fs else ("null" if default is None else str(default).lower()
-                                                   if isinstance(default, bool) else str(default))
         rows.append(f"| `{prefix}{field}` | {_cell(_json_type(fs, doc))} | {'yes' if field in required else ''} "
-                    f"| {_cell(_code(default_s) if default_s else '')} | {_cell(_constraints(fs, doc))} "
+                    f"| {_cell(_json_default(fs))} | {_cell(_constraints(fs, doc))} "
                     f"| {_cell(fs.get('description', ''))} |")
         for sub in [fs] + list(fs.get("anyOf", [])):
             if "$ref" in sub:
@@ -282,12 +287,10 @@ def render_api() -> str:
                 body.append("|---|---|---|---|---|---|---|")
                 for p in params:
                     s = p.get("schema", {})
-                    d = s.get("default")
-                    ds = "" if "default" not in s else ("null" if d is None else str(d).lower()
-                                                       if isinstance(d, bool) else str(d))
                     body.append(f"| `{p['name']}` | {p['in']} | {_cell(_json_type(s, doc))} "
-                                f"| {'yes' if p.get('required') else ''} | {_cell(_code(ds) if ds else '')} "
-                                f"| {_cell(_constraints(s, doc))} | {_cell(p.get('description', s.get('description', '')))} |")
+                                f"| {'yes' if p.get('required') else ''} | {_cell(_json_default(s))} "
+                                f"| {_cell(_constraints(s, doc))} "
+                                f"| {_cell(p.get('description', s.get('description', '')))} |")
                 body.append("")
             rb = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema")
             if rb:
@@ -303,12 +306,15 @@ def render_api() -> str:
                     errors.append(status)
                     continue
                 kinds = ", ".join(sorted(resp.get("content", {})))
-                codes.append(f"- {status}" + (f" ({kinds})" if kinds else "") + ": " + _cell(resp.get("description", "")))
+                kinds = f" ({kinds})" if kinds else ""
+                codes.append(f"- {status}{kinds}: {_cell(resp.get('description', ''))}")
                 for lname, link in sorted(resp.get("links", {}).items()):
                     params_s = ", ".join(f"`{k}` = `{v}`" for k, v in sorted(link.get("parameters", {}).items()))
                     if "requestBody" in link:
                         params_s += f", body {_code(link['requestBody'])}"
-                    codes.append(f"  - link to [`{link.get('operationId', lname)}`](#{_slug(ops_by_id.get(link.get('operationId', lname), lname))}): {params_s}")
+                    target = link.get("operationId", lname)
+                    anchor = _slug(ops_by_id.get(target, target))
+                    codes.append(f"  - link to [`{target}`](#{anchor}): {params_s}")
             if errors:
                 codes.append(f"- errors: {', '.join(errors)} (`ErrorOut`)")
             body.append("Responses:\n\n" + "\n".join(codes) + "\n")

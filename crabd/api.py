@@ -110,8 +110,8 @@ class ExecIn(StrictIn):
 
 
 class RollbackIn(StrictIn):
-    checkpoint: Annotated[str, Field(pattern=ID_PATTERN)] | Annotated[int, Field(ge=0, le=MAX_SEQ), AS_INT] | None = Field(
-        None, description="checkpoint id or sequence number; latest when omitted")
+    checkpoint: (Annotated[str, Field(pattern=ID_PATTERN)] | Annotated[int, Field(ge=0, le=MAX_SEQ), AS_INT]
+                 | None) = Field(None, description="checkpoint id or sequence number; latest when omitted")
 
 
 class ForkIn(StrictIn):

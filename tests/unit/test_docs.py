@@ -81,7 +81,8 @@ def test_the_link_checker_catches_a_broken_link(tmp_path: Path) -> None:
     assert "two-words" in _anchors(tmp_path / "a.md") and "nope" not in _anchors(tmp_path / "a.md")
 
 
-def test_events_page_reads_literal_kinds_and_an_event_kind_enum(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_events_page_reads_literal_kinds_and_an_event_kind_enum(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The daemon's events come from `_event("kind", ...)` calls today and
     from an `EventKind` enum once crabd.daemon.events has one: the generator
     reads both (and f-string kinds), with the data fields of each call."""
