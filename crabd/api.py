@@ -470,7 +470,8 @@ def make_app(daemon: Daemon, *, token: str | None = None, tokens: dict[str, str]
 
     @app.get("/v1/health")
     async def health() -> dict[str, Any]:
-        """The daemon's health: version, snapshot driver, inspector in use, sandboxes."""
+        """The daemon's health: ok, uptime, the snapshot driver and the inspector in use, sandboxes, store schema
+        version."""
         return daemon.health()
 
     @app.get("/metrics", response_class=PlainTextResponse)
