@@ -5,8 +5,10 @@ file, process, network and mount activity to sandboxes by cgroup v2 id;
 `Inspector` turns it into one `Effects` record per turn; `classify` maps
 that to a `Plan` (SKIP, FS or FS_PROC, with reasons). Without BPF,
 `ProcInspector` builds the same record from /proc and the file-system
-layer's change probe. `open_inspector` picks one. This library never imports
-crabd.
+layer's change probe. `open_inspector` picks one; `open_inspector_async`
+returns at once a `LoadingInspector` that loads it in the background (every
+turn before it is ready is blind, so planned FS_PROC). This library never
+imports crabd.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from ebpf.effects import SCHEMA_VERSION, Connections, Effects, ExecRecord, Proce
 from ebpf.errors import AlreadyWatched, BPFUnavailable, InspectorError, InvalidArgument, NotWatched
 from ebpf.fallback import ChangeProbe, ProcInspector
 from ebpf._inspector import Inspector, Loader
+from ebpf._loading import LoadingInspector
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -32,6 +35,7 @@ __all__ = [
     "InspectorError",
     "InvalidArgument",
     "Loader",
+    "LoadingInspector",
     "NotWatched",
     "Plan",
     "PlanKind",
@@ -42,6 +46,7 @@ __all__ = [
     "bpf_problem",
     "classify",
     "open_inspector",
+    "open_inspector_async",
 ]
 
 log = logging.getLogger(__name__)
@@ -57,3 +62,9 @@ def open_inspector(change_probe: ChangeProbe | None = None) -> Inspector | ProcI
         log.warning("BPF inspector unavailable, using the /proc fallback (coarser, slower): %s", e)
         return ProcInspector(change_probe)
     return insp
+
+
+def open_inspector_async(change_probe: ChangeProbe | None = None) -> LoadingInspector:
+    """`open_inspector` in a background thread, behind a `LoadingInspector`
+    that stands in for it meanwhile (see ebpf/_loading.py)."""
+    return LoadingInspector(lambda: open_inspector(change_probe), fallback=lambda: ProcInspector(change_probe))

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 SCHEMA_VERSION = 1
 MAX_SAMPLES = 16
 
-Source = Literal["bpf-cgroup", "bpf-pids", "proc"]
+Source = Literal["bpf-cgroup", "bpf-pids", "proc", "loading"]
 
 
 class Sample(BaseModel):
@@ -96,7 +96,8 @@ class Effects(BaseModel):
     schema_version: Literal[1] = SCHEMA_VERSION
     sandbox_id: str
     turn: int = Field(description="1 for the first end_turn after watch, then +1 per end_turn")
-    source: Source = Field(description="bpf-cgroup, bpf-pids (no unified cgroup hierarchy) or proc (no BPF)")
+    source: Source = Field(description="bpf-cgroup, bpf-pids (no unified cgroup hierarchy), proc (no BPF), or "
+                        "loading (the inspector had not loaded yet: nothing was observed)")
     started_ns: int = Field(0, description="CLOCK_MONOTONIC at begin_turn (0 if begin_turn was not called)")
     ended_ns: int = Field(0, description="CLOCK_MONOTONIC at end_turn")
 
