@@ -14,6 +14,9 @@ so a slow phase of the host shows in all of them alike:
 - exec_true_ms: `true` through crabd's Python client (one kept connection,
   as an agent keeps one) and `docker exec` of `true` in a busybox container
   of the local Docker engine (`docker run -d --network none`), alternating;
+  `runtime` (extra): the same sandbox's exec path alone, crabd.runtime's
+  `Runtime.exec` called by the bench (runc exec, or the init's channel),
+  without the daemon's turn (inspector, checkpoint plan, store, HTTP);
 - rollback_ms latest_*: a new turn, its checkpoint durable (and for `proc`
   its hot standby ready: the `standby.ready` event), then the API rollback to
   it, client round trip; older_*: the rollback to the sandbox's first
@@ -239,6 +242,10 @@ class Bench:
                 raise RuntimeError(f"true failed through crabd: {r}")
             if self.docker is not None:
                 self.add("exec_true.docker", self.docker.exec_true())
+            self.wait_durable(self.fs)   # the daemon's capture of the turn above freezes the sandbox
+            t0 = time.monotonic()
+            self.rt.exec(self.fs, ["true"])
+            self.add("exec_true.runtime", _ms(t0, time.monotonic()))
 
     def rollback_round(self) -> None:
         c = self.client()
@@ -349,7 +356,8 @@ class Bench:
             "kill_to_rolled_back_ms": {"fs": p("kill_to_rolled_back.fs"), "proc": p("kill_to_rolled_back.proc")},
             "rollback_ms": {k: p(f"rollback.{k}") for k in ("latest_fs", "latest_proc", "older_fs", "older_proc")},
             "fork_ms": {k: p(f"fork.{k}") for k in ("1", "8", "1_proc", "8_proc")},
-            "exec_true_ms": {"crabd": p("exec_true.crabd"), "docker": p("exec_true.docker")},
+            "exec_true_ms": {"crabd": p("exec_true.crabd"), "docker": p("exec_true.docker"),
+                             "runtime": p("exec_true.runtime")},
             "restart_ms": {"serving": p("restart.serving"), "adopted": p("restart.adopted")},
             "notes": self.notes,
             "config": {"quick": self.a.quick, "rounds": self.a.rounds, "execs": self.a.execs,

@@ -188,7 +188,7 @@ static int init(void) {
 
 #define MAX_JOBS 256
 #define REQ_MAX (16u << 20) /* argv + env of one command: ARG_MAX-sized commands fit */
-#define MAX_PROCS 65536
+#define MAX_PROCS 16384 /* of the sandbox's pid namespace, for a timeout's tree kill */
 
 struct job {
     pid_t pid;  /* the command, a child of PID 1; 0: free slot */
@@ -402,9 +402,11 @@ static void serve(int conn) {
         sigemptyset(&none);
         sigprocmask(SIG_SETMASK, &none, NULL);
         setsid();
-        for (int i = 0; i < 3; i++)
-            if (dup2(fds[i], i) < 0)
+        for (int i = 0; i < 3; i++) {
+            /* dup2 onto itself keeps close-on-exec: clear it by hand then */
+            if (fds[i] == i ? fcntl(i, F_SETFD, 0) < 0 : dup2(fds[i], i) < 0)
                 _exit(127);
+        }
         int err[2];
         if (chdir(f[0]) != 0) {
             err[0] = 'C', err[1] = errno;

@@ -29,6 +29,14 @@ class NoRuncExec(SubprocessRunner):
         raise AssertionError(f"the exec fell back to runc exec: {argv[:6]}")
 
 
+@pytest.fixture(autouse=True)
+def _init_has_the_channel():
+    from crabd import config
+    if b"crabd-exec-1" not in config.init_binary().read_bytes():
+        pytest.fail(f"{config.init_binary()} predates the exec channel: rebuild it from crabd/runtime/init.c "
+                    "(scripts/setup-host) or point CRABD_INIT at such a build", pytrace=False)
+
+
 @pytest.fixture
 def fast(runtime):
     return Runtime(runtime.state_dir, runner=NoRuncExec(), exec_channel=True)
