@@ -58,6 +58,7 @@ from ..runner import Captured, CappedOutput, read_ready
 __all__ = ["NAME", "Unavailable", "find_init", "connect", "run"]
 
 NAME = "crabd-exec"         # the abstract socket "@crabd-exec" of the sandbox's network namespace
+MAGIC = "crabd-exec-1"      # a request's first word; also how a channel-capable init binary is recognised
 CONNECT_TIMEOUT = 2.0
 LISTEN_WAIT = 1.0           # how long a just-started init with the channel may take to listen
 KILL_GRACE = 5.0            # after "K": how long to wait for the init's report
@@ -144,7 +145,7 @@ def _may_listen(pid: int) -> bool:
 def request(argv: Sequence[str], env: Sequence[str], cwd: str) -> bytes:
     """The request's bytes (init.c mode 3): a u32 length, then NUL-terminated
     strings: magic, cwd, argc, argv..., env..."""
-    words = [b"crabd-exec-1", cwd.encode(), str(len(argv)).encode(), *(a.encode() for a in argv),
+    words = [MAGIC.encode(), cwd.encode(), str(len(argv)).encode(), *(a.encode() for a in argv),
              *(e.encode() for e in env)]
     body = b"\0".join(words) + b"\0"
     return struct.pack("<I", len(body)) + body

@@ -121,6 +121,7 @@ class Runtime:
         # On: new sandboxes' inits serve the fast exec path (channel.py), and
         # execs use it wherever an init has it. Off: runc exec only, as before.
         self.exec_channel = config.exec_channel() if exec_channel is None else exec_channel
+        self._channel_init: tuple[str, int, int] | None = None   # the init binary checked to have it
         self.sandboxes_dir = self.state_dir / "sandboxes"
         self.runc_root = self.state_dir / "runc"
         self.images = ImageStore(self.state_dir, runner=self.runner, users=self._image_users)
@@ -206,7 +207,7 @@ class Runtime:
         cfg = build_config(sandbox_id=sid, init_source=str(self.init_binary), run_source=str(d / "run"),
                            cgroups_path=sb.cgroup_rel,
                            limits=sb.limits, env=env, annotations=annotations, hooks=_hooks(),
-                           init_args=("--channel", channel.NAME) if self.exec_channel else ())
+                           init_args=("--channel", channel.NAME) if self._init_has_channel() else ())
         (d / "bundle" / "config.json").write_text(json.dumps(cfg, indent=2))
         self._save(sb)
         if start:
@@ -390,6 +391,21 @@ class Runtime:
             fifo.unlink(missing_ok=True)
             pidfile.unlink(missing_ok=True)
         return self._exec_result(sb, argv, cap, timeout)
+
+    def _init_has_channel(self) -> bool:
+        """The setting is on and the init binary knows `--channel`: an older
+        build would print its usage and exit, and the sandbox with it."""
+        if not self.exec_channel:
+            return False
+        st = self.init_binary.stat()
+        key = (str(self.init_binary), st.st_ino, st.st_mtime_ns)
+        if self._channel_init != key:
+            if channel.MAGIC.encode() not in self.init_binary.read_bytes():
+                log.warning("%s predates the exec channel: execs use runc exec (rebuild it: scripts/setup-host)",
+                            self.init_binary)
+                return False
+            self._channel_init = key
+        return True
 
     def _exec_env(self, img: Any, env: dict[str, str] | None) -> tuple[str, ...]:
         img_env = tuple(img.env) if img else ()

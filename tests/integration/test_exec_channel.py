@@ -32,7 +32,7 @@ class NoRuncExec(SubprocessRunner):
 @pytest.fixture(autouse=True)
 def _init_has_the_channel():
     from crabd import config
-    if b"crabd-exec-1" not in config.init_binary().read_bytes():
+    if channel.MAGIC.encode() not in config.init_binary().read_bytes():
         pytest.fail(f"{config.init_binary()} predates the exec channel: rebuild it from crabd/runtime/init.c "
                     "(scripts/setup-host) or point CRABD_INIT at such a build", pytrace=False)
 
@@ -210,6 +210,21 @@ def test_channel_after_rollback_restore_and_daemon_restart(start_daemon):
     r = c.exec(sid, "echo after-restart")
     assert r["exit_code"] == 0 and r["stdout"] == "after-restart\n"
     assert fast.exec(sid, "echo direct").stdout == "direct\n"
+
+
+def test_an_init_binary_without_the_channel_is_started_without_it(runtime, busybox_image, tmp_path):
+    """CRABD_EXEC_CHANNEL=1 with a crabd-init built before the channel: the
+    sandbox starts as before (no `--channel` the old init would refuse)."""
+    old = tmp_path / "crabd-init-old"
+    old.write_bytes(runtime.init_binary.read_bytes().replace(channel.MAGIC.encode(), b"x" * len(channel.MAGIC)))
+    old.chmod(0o755)
+    rt = Runtime(runtime.state_dir, init_binary=old, exec_channel=True)
+    sb = rt.create(busybox_image)
+    try:
+        assert "--channel" not in Path(f"/proc/{sb.pid}/cmdline").read_bytes().decode()
+        assert rt.exec(sb.id, ["true"]).exit_code == 0
+    finally:
+        rt.destroy(sb.id)
 
 
 def test_a_sandbox_without_the_channel_falls_back_to_runc_exec(runtime, busybox_image):
