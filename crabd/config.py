@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["DEFAULT_STATE_DIR", "DEFAULT_PREFIX", "state_dir_from_env", "init_binary", "runc_binary"]
+__all__ = ["DEFAULT_STATE_DIR", "DEFAULT_PREFIX", "state_dir_from_env", "init_binary", "runc_binary", "exec_channel"]
 
 DEFAULT_STATE_DIR = Path("/var/lib/crabd")
 # Private prefix written by scripts/setup-host: CRIU 4, crabd-init.
@@ -28,3 +28,9 @@ def init_binary() -> Path:
 
 def runc_binary() -> str:
     return os.environ.get("CRABD_RUNC", "runc")
+
+
+def exec_channel() -> bool:
+    """New sandboxes get the fast exec path (crabd/runtime/channel.py): off
+    unless CRABD_EXEC_CHANNEL=1; `runc exec` stays the fallback either way."""
+    return os.environ.get("CRABD_EXEC_CHANNEL", "0").strip().lower() in ("1", "true", "yes", "on")

@@ -25,7 +25,7 @@ from typing import Callable, Protocol
 
 from .errors import CommandFailed
 
-__all__ = ["Completed", "Captured", "Runner", "SubprocessRunner"]
+__all__ = ["Completed", "Captured", "CappedOutput", "Runner", "SubprocessRunner", "read_ready"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,36 @@ class Captured:
     duration: float
     timed_out: bool
     status: str | None = None   # the wrapper's status line, when one was asked for
+
+
+class CappedOutput:
+    """A command's stdout and stderr ("out", "err"), each kept up to `cap`
+    bytes; what is read past that is counted, not kept (capture's rule, also
+    the exec channel's: crabd/runtime/channel.py)."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.bufs = {"out": bytearray(), "err": bytearray()}
+        self.dropped = {"out": 0, "err": 0}
+
+    def add(self, name: str, chunk: bytes) -> None:
+        buf = self.bufs[name]
+        room = self.cap - len(buf)
+        if room > 0:
+            buf += chunk[:room]
+        self.dropped[name] += max(0, len(chunk) - max(room, 0))
+
+    def captured(self, returncode: int | None, duration: float, timed_out: bool, status: str | None) -> Captured:
+        return Captured(returncode, bytes(self.bufs["out"]), bytes(self.bufs["err"]), self.dropped["out"],
+                        self.dropped["err"], duration, timed_out, status)
+
+
+def read_ready(fd: int) -> bytes | None:
+    """What a non-blocking `fd` has: b"" at end of file, None when nothing is ready."""
+    try:
+        return os.read(fd, 65536)
+    except BlockingIOError:
+        return None
 
 
 class Runner(Protocol):
@@ -115,8 +145,7 @@ class SubprocessRunner:
         start = time.monotonic()
         p = subprocess.Popen(argv, stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-        bufs = {"out": bytearray(), "err": bytearray()}
-        dropped = {"out": 0, "err": 0}
+        output = CappedOutput(cap)
         sel = selectors.DefaultSelector()
         assert p.stdout is not None and p.stderr is not None
         for name, f in (("out", p.stdout), ("err", p.stderr)):
@@ -173,9 +202,8 @@ class SubprocessRunner:
                         p.stdin.close()  # type: ignore[union-attr]
                     continue
                 fd = key.fileobj if isinstance(key.fileobj, int) else key.fileobj.fileno()  # type: ignore[union-attr]
-                try:
-                    chunk = os.read(fd, 65536)
-                except BlockingIOError:
+                chunk = read_ready(fd)
+                if chunk is None:
                     continue
                 if not chunk:
                     sel.unregister(key.fileobj)
@@ -183,11 +211,7 @@ class SubprocessRunner:
                 if key.data == "status":
                     status += chunk
                     continue
-                buf = bufs[key.data]
-                room = cap - len(buf)
-                if room > 0:
-                    buf += chunk[:room]
-                dropped[key.data] += max(0, len(chunk) - max(room, 0))
+                output.add(key.data, chunk)
         for key in list(sel.get_map().values()):
             sel.unregister(key.fileobj)
         sel.close()
@@ -196,8 +220,7 @@ class SubprocessRunner:
                 f.close()
         rc = p.wait()
         line = bytes(status).split(b"\n", 1)[0].decode(errors="replace") if b"\n" in status else None
-        return Captured(None if timed_out else rc, bytes(bufs["out"]), bytes(bufs["err"]),
-                        dropped["out"], dropped["err"], time.monotonic() - start, timed_out, line)
+        return output.captured(None if timed_out else rc, time.monotonic() - start, timed_out, line)
 
 
 def _kill_group(p: subprocess.Popen[bytes]) -> None:

@@ -18,9 +18,12 @@ import os
 import socket
 import struct
 import threading
+from typing import Callable, TypeVar
 
 
-__all__ = ["loopback_up"]
+__all__ = ["loopback_up", "in_netns"]
+
+T = TypeVar("T")
 
 _CLONE_NEWNET = 0x40000000
 _SIOCGIFFLAGS = 0x8913
@@ -41,8 +44,19 @@ def loopback_up(pid: int) -> bool:
     """Bring `lo` up in the network namespace of host pid `pid`. False when
     `pid` is gone: a restored init killed right after its restore is a death
     for the caller's death watch to notice, not a failed restore."""
+    try:
+        in_netns(pid, lambda: _set_up(b"lo"))
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def in_netns(pid: int, fn: Callable[[], T]) -> T:
+    """fn()'s result, called in the network namespace of host pid `pid` (in
+    a short-lived thread: setns moves only the calling thread). Sockets fn
+    creates stay in that namespace. ProcessLookupError when `pid` is gone."""
     err: list[BaseException] = []
-    gone: list[bool] = []
+    out: list[T] = []
 
     def work() -> None:
         own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
@@ -50,7 +64,7 @@ def loopback_up(pid: int) -> bool:
             target = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             os.close(own)
-            gone.append(True)
+            err.append(ProcessLookupError(f"process {pid} is gone"))
             return
         try:
             if _libc.setns(target, _CLONE_NEWNET) != 0:
@@ -58,8 +72,8 @@ def loopback_up(pid: int) -> bool:
                 err.append(OSError(e, f"setns into net namespace of {pid}: {os.strerror(e)}"))
                 return
             try:
-                _set_up(b"lo")
-            except OSError as e:
+                out.append(fn())
+            except BaseException as e:
                 err.append(e)
             finally:
                 if _libc.setns(own, _CLONE_NEWNET) != 0:
@@ -70,9 +84,9 @@ def loopback_up(pid: int) -> bool:
             os.close(target)
             os.close(own)
 
-    t = threading.Thread(target=work, name=f"deltacr-lo-{pid}")
+    t = threading.Thread(target=work, name=f"deltacr-netns-{pid}")
     t.start()
     t.join()
     if err:
         raise err[0]
-    return not gone
+    return out[0]

@@ -110,9 +110,11 @@ def loopback_hook(sh: str, nsenter: str, ip: str) -> dict[str, Any]:
 def build_config(*, sandbox_id: str, init_source: str, run_source: str, cgroups_path: str, limits: Limits,
                  env: tuple[str, ...] = DEFAULT_ENV, annotations: dict[str, str] | None = None,
                  network_ns_path: str | None = None, hooks: dict[str, list[dict[str, Any]]] | None = None,
+                 init_args: tuple[str, ...] = (),
                  ) -> dict[str, Any]:
     """The config.json of a sandbox bundle whose root is `<bundle>/rootfs`.
-    `hooks`: OCI hooks by kind, e.g. {"createRuntime": [loopback_hook(...)]}."""
+    `hooks`: OCI hooks by kind, e.g. {"createRuntime": [loopback_hook(...)]}.
+    `init_args`: arguments of crabd's init (("--channel", path): the fast exec path)."""
     namespaces: list[dict[str, str]] = [{"type": t} for t in ("pid", "ipc", "uts", "mount")]
     namespaces.append({"type": "network", "path": network_ns_path} if network_ns_path else {"type": "network"})
     caps = list(_CAPS)
@@ -121,7 +123,7 @@ def build_config(*, sandbox_id: str, init_source: str, run_source: str, cgroups_
         "process": {
             "terminal": False,
             "user": {"uid": 0, "gid": 0},
-            "args": [INIT_PATH],
+            "args": [INIT_PATH, *init_args],
             "env": list(env),
             "cwd": "/",
             "capabilities": {"bounding": caps, "effective": caps, "permitted": caps},

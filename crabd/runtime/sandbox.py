@@ -39,6 +39,7 @@ from ..errors import (CommandNotFound, ExecError, ExecTimeout, FailedPreconditio
                       InvalidArgument, NotFound, SandboxNotRunning)
 from ..images import ImageStore, validate_name
 from ..runner import Runner, SubprocessRunner
+from . import channel
 from .cgroups import CgroupLayout, Freezer, detect_layout
 from .oci import DEFAULT_ENV, INIT_PATH, RUN_PATH, Limits, build_config, loopback_hook
 
@@ -111,12 +112,16 @@ class Runtime:
 
     def __init__(self, state_dir: Path | str | None = None, *, runner: Runner | None = None,
                  layout: CgroupLayout | None = None, init_binary: Path | str | None = None,
-                 runc: str | None = None) -> None:
+                 runc: str | None = None, exec_channel: bool | None = None) -> None:
         self.state_dir = Path(state_dir) if state_dir is not None else config.state_dir_from_env()
         self.runner = runner or SubprocessRunner()
         self._layout = layout
         self.init_binary = Path(init_binary) if init_binary else config.init_binary()
         self.runc_bin = runc or config.runc_binary()
+        # On: new sandboxes' inits serve the fast exec path (channel.py), and
+        # execs use it wherever an init has it. Off: runc exec only, as before.
+        self.exec_channel = config.exec_channel() if exec_channel is None else exec_channel
+        self._channel_init: tuple[str, int, int] | None = None   # the init binary checked to have it
         self.sandboxes_dir = self.state_dir / "sandboxes"
         self.runc_root = self.state_dir / "runc"
         self.images = ImageStore(self.state_dir, runner=self.runner, users=self._image_users)
@@ -201,7 +206,8 @@ class Runtime:
         env = _merge_env(DEFAULT_ENV, tuple(img.env))
         cfg = build_config(sandbox_id=sid, init_source=str(self.init_binary), run_source=str(d / "run"),
                            cgroups_path=sb.cgroup_rel,
-                           limits=sb.limits, env=env, annotations=annotations, hooks=_hooks())
+                           limits=sb.limits, env=env, annotations=annotations, hooks=_hooks(),
+                           init_args=("--channel", channel.NAME) if self._init_has_channel() else ())
         (d / "bundle" / "config.json").write_text(json.dumps(cfg, indent=2))
         self._save(sb)
         if start:
@@ -329,7 +335,6 @@ class Runtime:
         `output_limit` bytes per stream is dropped and a marker says how much.
         Processes the command leaves in the background keep running.
         """
-        sb = self._running(ref)
         if isinstance(cmd, str):
             argv = ["/bin/sh", "-c", cmd]
         else:
@@ -340,9 +345,16 @@ class Runtime:
             raise InvalidArgument("cmd contains a NUL byte")
         if timeout is not None and timeout <= 0:
             raise InvalidArgument("timeout must be positive")
+        # No stdin: an empty pipe (end of file at once), never the host's
+        # /dev/null: a command that daemonizes keeps its stdin, and CRIU cannot
+        # dump a file of a mount outside the sandbox ("Can't lookup mount").
+        data = stdin.encode() if isinstance(stdin, str) else (b"" if stdin is None else stdin)
+        fast = self._exec_by_init(ref, argv, env, cwd, data, timeout, output_limit)
+        if fast is not None:
+            return fast
+        sb = self._running(ref)
         img = self._image_of(sb)  # read once: env and working dir
-        img_env = tuple(img.env) if img else ()
-        full_env = _merge_env(_merge_env(DEFAULT_ENV, img_env), tuple(f"{k}={v}" for k, v in (env or {}).items()))
+        full_env = self._exec_env(img, env)
         tok = secrets.token_hex(6)
         pidfile = sb.dir / f"exec-{tok}.pid"
         fifo = sb.dir / "run" / f"exec-{tok}.fifo"
@@ -363,10 +375,6 @@ class Runtime:
             rargv[4:4] = ["--cap", "CAP_SYS_ADMIN"]
         rargv += [sb.id, INIT_PATH, "--run", f"{RUN_PATH}/{fifo.name}", *(["--time-ns"] if time_ns else []),
                   "--", *argv]
-        # No stdin: an empty pipe (end of file at once), never the host's
-        # /dev/null: a command that daemonizes keeps its stdin, and CRIU cannot
-        # dump a file of a mount outside the sandbox ("Can't lookup mount").
-        data = stdin.encode() if isinstance(stdin, str) else (b"" if stdin is None else stdin)
 
         def kill_tree() -> None:
             _kill_tree_from_pidfile(pidfile)
@@ -382,6 +390,61 @@ class Runtime:
             os.close(status_fd)
             fifo.unlink(missing_ok=True)
             pidfile.unlink(missing_ok=True)
+        return self._exec_result(sb, argv, cap, timeout)
+
+    def _init_has_channel(self) -> bool:
+        """The setting is on and the init binary knows `--channel`: an older
+        build would print its usage and exit, and the sandbox with it."""
+        if not self.exec_channel:
+            return False
+        st = self.init_binary.stat()
+        key = (str(self.init_binary), st.st_ino, st.st_mtime_ns)
+        if self._channel_init != key:
+            if channel.MAGIC.encode() not in self.init_binary.read_bytes():
+                log.warning("%s predates the exec channel: execs use runc exec (rebuild it: scripts/setup-host)",
+                            self.init_binary)
+                return False
+            self._channel_init = key
+        return True
+
+    def _exec_env(self, img: Any, env: dict[str, str] | None) -> tuple[str, ...]:
+        img_env = tuple(img.env) if img else ()
+        return _merge_env(_merge_env(DEFAULT_ENV, img_env), tuple(f"{k}={v}" for k, v in (env or {}).items()))
+
+    def _exec_by_init(self, ref: str, argv: list[str], env: dict[str, str] | None, cwd: str | None, data: bytes,
+                      timeout: float | None, output_limit: int) -> ExecResult | None:
+        """The fast path (channel.py): the sandbox's init spawns the command.
+        None when it cannot be used (no channel, frozen, refused): then
+        nothing ran, and the caller runs the command with runc exec."""
+        if not (self.exec_channel and isinstance(ref, str) and _ID.match(ref)
+                and (self.sandboxes_dir / ref / "sandbox.json").is_file()):
+            return None
+        sb = self._load(self.sandboxes_dir / ref)
+        try:
+            fz = Freezer(self.layout, sb.cgroup_rel)
+            if fz.state() != "THAWED":
+                return None  # runc exec's path says "frozen"
+        except (OSError, FailedPrecondition):
+            return None  # no cgroup (gone, or a host without the freezer): runc exec's path says why
+        init = channel.find_init(fz.dir / "cgroup.procs", sb.cgroup_rel)
+        if init is None:
+            return None  # not running: runc exec's path says so
+        try:
+            conn = channel.connect(init, sb.cgroup_rel)
+        except channel.Unavailable as e:
+            log.debug("exec in %s by runc exec: %s", sb.id, e)
+            return None
+        img = self._image_of(sb)
+        try:
+            cap = channel.run(conn, argv, self._exec_env(img, env), cwd or (img.workdir if img else "/") or "/",
+                              stdin=data, timeout=timeout, cap=output_limit)
+        except channel.Unavailable as e:
+            log.warning("exec in %s by runc exec: %s", sb.id, e)
+            return None
+        return self._exec_result(sb, argv, cap, timeout)
+
+    def _exec_result(self, sb: Sandbox, argv: list[str], cap: Any, timeout: float | None) -> ExecResult:
+        """The agent's result of an exec from the wrapper's (or init's) report."""
         out = cap.stdout.decode(errors="replace")
         err = cap.stderr.decode(errors="replace")
         if cap.stdout_dropped:
@@ -402,6 +465,8 @@ class Runtime:
                 raise CommandNotFound(f"command {argv[0]!r} not found in sandbox {sb.id}",
                                       fix="check the program exists in the image and is on PATH, or pass a shell string")
             raise ExecError(f"could not execute {argv[0]!r} in sandbox {sb.id}: {os.strerror(eno)}")
+        elif kind == "C":
+            raise ExecError(f"cannot enter the working directory in sandbox {sb.id}: {os.strerror(int(value))}")
         else:
             if cap.returncode != 0:
                 if self._status(sb.id)[0] != "running":

@@ -11,6 +11,7 @@ import pytest
 
 from crabd.errors import CommandNotFound, ExecTimeout, FailedPrecondition, NotFound, SandboxNotRunning
 from crabd.runtime import Limits
+from crabd.testing import wait_until
 
 
 def mounted(path: str) -> bool:
@@ -128,8 +129,10 @@ def test_limits_are_enforced(runtime, busybox_image, sandbox_factory):
 def test_freeze_and_thaw(runtime, busybox_image, sandbox_factory):
     sb = sandbox_factory(busybox_image)
     runtime.exec(sb.id, "(i=0; while true; do i=$((i+1)); echo $i > /tmp/tick; usleep 1000; done) >/dev/null 2>&1 &")
-    time.sleep(0.1)
     tick = Path(sb.rootfs, "tmp", "tick")
+    # the loop runs before the freeze (a fast exec returns before its
+    # background child got the CPU on a loaded host)
+    wait_until(lambda: tick.exists() and tick.read_text().strip(), "the loop's first tick", 30)
     runtime.freeze(sb.id)
     try:
         state = Path("/sys/fs/cgroup/freezer/crabd", sb.id, "freezer.state").read_text().strip()
@@ -141,8 +144,7 @@ def test_freeze_and_thaw(runtime, busybox_image, sandbox_factory):
             runtime.exec(sb.id, "true")
     finally:
         runtime.thaw(sb.id)
-    time.sleep(0.1)
-    assert tick.read_text() != before
+    wait_until(lambda: tick.read_text() != before, "a tick after the thaw", 30)
 
 
 def test_destroy_leaves_no_mounts_cgroups_or_files(runtime, busybox_image):

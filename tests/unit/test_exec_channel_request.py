@@ -1,0 +1,48 @@
+"""The exec channel's pure parts (crabd/runtime/channel.py): the request's
+bytes as init.c mode 3 parses them, the OCI config's init arguments, and
+the setting that turns the channel on."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+from crabd import config
+from crabd.runtime import build_config, channel
+from crabd.runtime.oci import INIT_PATH, Limits
+
+
+def test_request_is_a_length_then_nul_terminated_words():
+    data = channel.request(["sh", "-c", "echo é"], ["A=1", "B="], "/work")
+    (n,) = struct.unpack("<I", data[:4])
+    body = data[4:]
+    assert n == len(body) and body.endswith(b"\0")
+    words = body[:-1].split(b"\0")
+    assert words == [b"crabd-exec-1", b"/work", b"3", b"sh", b"-c", "echo é".encode(), b"A=1", b"B="]
+
+
+def test_request_without_env():
+    words = channel.request(["true"], [], "/")[4:-1].split(b"\0")
+    assert words == [b"crabd-exec-1", b"/", b"1", b"true"]
+
+
+def _cfg(**kw):
+    return build_config(sandbox_id="sb-0123456789", init_source="/x/crabd-init", run_source="/x/run",
+                        cgroups_path="/crabd/sb-0123456789", limits=Limits(), **kw)
+
+
+def test_init_args_only_when_asked():
+    assert _cfg()["process"]["args"] == [INIT_PATH]
+    assert _cfg(init_args=("--channel", channel.NAME))["process"]["args"] == [INIT_PATH, "--channel", "crabd-exec"]
+
+
+def test_setting_is_off_by_default(monkeypatch):
+    monkeypatch.delenv("CRABD_EXEC_CHANNEL", raising=False)
+    assert config.exec_channel() is False
+    for v, want in (("1", True), ("yes", True), ("0", False), ("", False)):
+        monkeypatch.setenv("CRABD_EXEC_CHANNEL", v)
+        assert config.exec_channel() is want
+
+
+def test_this_process_is_no_sandbox_init():
+    assert not channel.is_sandbox_init(os.getpid(), "/crabd/sb-0123456789")
