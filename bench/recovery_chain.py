@@ -25,8 +25,8 @@ from typing import Any
 
 from crabd.errors import CrabdError
 from crabd.traces import Trace
-from _stats import quantiles
-from recovery import DIGEST_PY, DIGEST_SH, Bench, Box, RunRecord
+from bench._stats import quantiles
+from bench.recovery_runs import DIGEST_PY, DIGEST_SH, Bench, Box, RunRecord
 
 
 @dataclass

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable, List, Optional
@@ -23,13 +22,15 @@ from rich.console import Console
 from rich.table import Table
 
 from . import __version__, config
+from .cli_bench import BenchGroup
 from .errors import CrabdError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="crabd: recoverable sandboxes for AI agents (checkpoint, roll back, fork).")
 image_app = typer.Typer(no_args_is_help=True, help="Images: root file systems sandboxes start from.")
 sandbox_app = typer.Typer(no_args_is_help=True, help="Sandboxes: runc containers agents run commands in.")
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (see bench/ and README.md).")
+bench_app = typer.Typer(cls=BenchGroup, no_args_is_help=True,
+                        help="Benchmarks of a source checkout (bench/; `crabd bench NAME --help`).")
 app.add_typer(image_app, name="image")
 app.add_typer(sandbox_app, name="sandbox")
 app.add_typer(bench_app, name="bench")
@@ -547,110 +548,6 @@ def budget_set(sandbox: str,
     given = {"turns": turns, "wall_s": wall_s, "cost": cost, "retries": retries}
     limits = _guard(lambda: {k: _limit(v, k.replace("_", "-")) for k, v in given.items() if v is not None}, as_json)
     _budget_out(_guard(lambda: _client(socket).set_budget(sandbox, **limits), as_json), as_json)
-
-
-# --- benchmarks ------------------------------------------------------------------------
-def _bench(script: str, args: list[str]) -> None:
-    path = Path(__file__).resolve().parent.parent / "bench" / script
-    if not path.is_file():
-        err.print(f"[red]error:[/red] benchmark {path} not found (benchmarks run from a source checkout)")
-        raise typer.Exit(2)
-    raise typer.Exit(subprocess.call([sys.executable, str(path), *args]))
-
-
-_BENCH_CTX = {"allow_extra_args": True, "ignore_unknown_options": True}
-
-
-@bench_app.command("fs", context_settings=_BENCH_CTX)
-def bench_fs(ctx: typer.Context) -> None:
-    """deltafs commit/rollback/fork latency (bench/fs.py; --quick, --json)."""
-    _bench("fs.py", ctx.args)
-
-
-@bench_app.command("inspector", context_settings=_BENCH_CTX)
-def bench_inspector(ctx: typer.Context) -> None:
-    """eBPF inspector overhead and accuracy (bench/inspector.py; --quick, --json)."""
-    _bench("inspector.py", ctx.args)
-
-
-@bench_app.command("cr", context_settings=_BENCH_CTX)
-def bench_cr(ctx: typer.Context) -> None:
-    """CRIU dump / restore / hot-standby promote latency and image bytes (bench/cr.py; --quick, --json)."""
-    _bench("cr.py", ctx.args)
-
-
-@bench_app.command("recovery", context_settings=_BENCH_CTX)
-def bench_recovery(ctx: typer.Context) -> None:
-    """Recovery correctness and cost per method and fault on agent traces (bench/recovery.py; --quick, --methods,
-    --faults, --scale, --json, --out)."""
-    _bench("recovery.py", ctx.args)
-
-
-@bench_app.command("swebench", context_settings=_BENCH_CTX)
-def bench_swebench(ctx: typer.Context) -> None:
-    """Convert SWE-bench instances and SWE-agent .traj files into traces (bench/swebench.py; --instances, --repos, --out)."""
-    _bench("swebench.py", ctx.args)
-
-
-@bench_app.command("seals", context_settings=_BENCH_CTX)
-def bench_seals(ctx: typer.Context) -> None:
-    """Cost of tamper detection: seal at commit, verify before rollback/fork, per driver (bench/seals.py; --quick, --json)."""
-    _bench("seals.py", ctx.args)
-
-
-@bench_app.command("check-traces", context_settings=_BENCH_CTX)
-def bench_check_traces(ctx: typer.Context) -> None:
-    """Prove traces pass fault-free, are deterministic and need recovery (bench/check_traces.py; --only, --json, --out)."""
-    _bench("check_traces.py", ctx.args)
-
-
-@bench_app.command("chaos", context_settings=_BENCH_CTX)
-def bench_chaos(ctx: typer.Context) -> None:
-    """kill -9 crabd inside commit, CRIU dump, compaction, rollback, fork; check nothing lost or leaked (bench/chaos.py; --quick, --json, --seed, --runs)."""
-    _bench("chaos.py", ctx.args)
-
-
-@bench_app.command("langgraph", context_settings=_BENCH_CTX)
-def bench_langgraph(ctx: typer.Context) -> None:
-    """CrabdCheckpointSaver per-step overhead, time travel, fork_thread (bench/saver.py; --steps, --runs, --quick, --json)."""
-    _bench("saver.py", ctx.args)
-
-
-@bench_app.command("hostile", context_settings=_BENCH_CTX)
-def bench_hostile(ctx: typer.Context) -> None:
-    """Hostile sandboxes: host canary, odd files, fork bomb, full disk (bench/hostile.py; --quick, --json)."""
-    _bench("hostile.py", ctx.args)
-
-
-@bench_app.command("load", context_settings=_BENCH_CTX)
-def bench_load(ctx: typer.Context) -> None:
-    """N sandboxes x M turns: exec overhead p50/p99, daemon RSS, consistency (bench/load.py; --quick, --json)."""
-    _bench("load.py", ctx.args)
-
-
-@bench_app.command("stall", context_settings=_BENCH_CTX)
-def bench_stall(ctx: typer.Context) -> None:
-    """Stall, checkpoint latency and end-to-end overhead at 1..N sandboxes, scheduler on/off vs bare runc (bench/stall.py; --sandboxes, --turns, --json)."""
-    _bench("stall.py", ctx.args)
-
-
-@bench_app.command("effects", context_settings=_BENCH_CTX)
-def bench_effects(ctx: typer.Context) -> None:
-    """Effects ledger: duplicate external effects under crash + rollback, with and without it (bench/effects.py; --quick, --json)."""
-    _bench("effects.py", ctx.args)
-
-
-@bench_app.command("oracle", context_settings=_BENCH_CTX)
-def bench_oracle(ctx: typer.Context) -> None:
-    """Differential oracle: adversarial seeded sessions, every checkpoint compared with the ground truth at its
-    turn (bench/oracle.py; --quick, --turns, --seed, --json)."""
-    _bench("oracle.py", ctx.args)
-
-
-@bench_app.command("zdtm", context_settings=_BENCH_CTX)
-def bench_zdtm(ctx: typer.Context) -> None:
-    """CRIU's zdtm static tests through crabd: native, dump, recovery, rollback, fork (bench/zdtm.py; --quick, --tests, --json)."""
-    _bench("zdtm.py", ctx.args)
 
 
 def main() -> None:
