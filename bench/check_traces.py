@@ -27,7 +27,6 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 
 from bench import inputs
 
@@ -35,6 +34,8 @@ from crabd.client import Client
 from crabd.images import ImageStore
 from crabd.testing import DaemonHandle, cleanup_state_dir
 from crabd.traces import STATE_DIGEST, Trace, load_traces
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class TraceRun:

@@ -62,14 +62,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 from crabd.client import Client
 from crabd.errors import CrabdError
 from crabd.runtime import Runtime
 from crabd.testing import DaemonHandle, cleanup_state_dir, ensure_busybox_image, settled_checkpoints
 from bench.harness import RssSampler
+
+ROOT = Path(__file__).resolve().parent.parent
 
 CANARY_SIZE = 31337  # distinctive: must never show up as the size of anything in a diff
 IN_ALL = 0xFFF       # IN_ACCESS .. IN_MOVE_SELF

@@ -28,9 +28,10 @@ from collections.abc import Callable, Iterable
 from typing import Any
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 
 from crabd.images import DEBIAN_PYTHON_PACKAGES, ImageStore
+
+ROOT = Path(__file__).resolve().parent.parent
 
 CACHE = Path(os.environ.get("CRABD_BENCH_CACHE", "/var/cache/crabd-bench"))
 SANDBOX_DIR = "/inputs"

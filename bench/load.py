@@ -37,8 +37,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 from crabd.client import Client
 from crabd.errors import CrabdError, NotFound
@@ -47,6 +45,8 @@ from crabd.testing import DaemonHandle, cleanup_state_dir, ensure_busybox_image,
 from bench.harness import RssSampler
 
 from bench._stats import quantiles  # (nearest rank)
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def summary_ms(xs: list[float]) -> dict[str, Any]:

@@ -23,7 +23,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parent.parent
 
 from crabd.errors import CrabdError
 from crabd.runtime import Runtime
@@ -31,6 +30,8 @@ from crabd.testing import CRABD, DaemonHandle, cleanup_state_dir
 from crabd.traces import STATE_DIGEST, Trace
 
 from bench import inputs  # (bench/inputs.py: trace images and PyPI inputs)
+
+ROOT = Path(__file__).resolve().parent.parent
 
 METHODS = ("chat-only", "replay", "full", "crabd-fs", "crabd")
 DAEMON_METHODS = ("crabd", "crabd-fs", "full")   # also the order they run in: crabd picks the daemon k

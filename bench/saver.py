@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 from typing import Any, TypedDict
 
-ROOT = Path(__file__).resolve().parent.parent
 
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.memory import InMemorySaver
@@ -42,6 +41,8 @@ from crabd.integrations.langgraph import CrabdCheckpointSaver
 from crabd.runtime import Runtime
 from crabd.testing import DaemonHandle, cleanup_state_dir
 from bench._stats import median
+
+ROOT = Path(__file__).resolve().parent.parent
 
 TEST_STATE = Path(os.environ.get("CRABD_TEST_STATE_DIR", "/var/lib/crabd-test"))
 

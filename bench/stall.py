@@ -43,11 +43,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parent.parent
 
 from crabd.runtime import Runtime
 from crabd.testing import DaemonHandle, cleanup_state_dir, ensure_busybox_image
 from bench._stats import percentile
+
+ROOT = Path(__file__).resolve().parent.parent
 
 TEST_STATE = Path(os.environ.get("CRABD_TEST_STATE_DIR", "/var/lib/crabd-test"))
 

@@ -37,11 +37,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
 
 from bench import inputs
 
 from crabd.traces import Trace
+
+ROOT = Path(__file__).resolve().parent.parent
 
 TESTBED = "/testbed"
 REQUIRED = ("instance_id", "repo", "base_commit", "patch", "test_patch", "FAIL_TO_PASS", "PASS_TO_PASS")

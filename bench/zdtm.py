@@ -79,9 +79,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-ROOT = Path(__file__).resolve().parent.parent
 
 from crabd.errors import CommandFailed, CrabdError, FailedPrecondition
+
+ROOT = Path(__file__).resolve().parent.parent
 
 CRIU_VERSION = "4.1.1"
 CRIU_SOURCE = f"criu_{CRIU_VERSION}.orig.tar.xz"
@@ -849,7 +850,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--variants: native plus any of {', '.join(VARIANTS[1:])}", file=sys.stderr)
         return 2
     names = a.tests.split(",") if a.tests else (list(QUICK) if a.quick else None)
-    log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)
+    def log(m: str) -> None:
+        print(m, file=sys.stderr, flush=True)
     t0 = time.monotonic()
     try:
         tests, image, tree = prepare(names, log, a.jobs)

@@ -49,6 +49,7 @@ rows of the same database: rollbacks, forks and restarts do not reset them.
 from __future__ import annotations
 
 import hashlib
+import builtins
 import json
 import math
 import re
@@ -411,7 +412,7 @@ class Ledger:
             return self._update(eid, **fields)
 
     def record_unmanaged(self, sb: Any, *, turn: int, checkpoint: str | None, reasons: Sequence[str],
-                         unknown: bool) -> list[dict[str, Any]]:
+                         unknown: bool) -> builtins.list[dict[str, Any]]:
         """Effects the inspector saw on its own during a turn (outbound
         connections, network tools): recorded, never matched or replayed."""
         now = time.time()
@@ -432,7 +433,7 @@ class Ledger:
                 made.append(row["id"])
         return made
 
-    def mark_in_flight_unknown(self) -> list[tuple[str, str | None]]:
+    def mark_in_flight_unknown(self) -> builtins.list[tuple[str, str | None]]:
         """At daemon start: intents a previous crabd left open may or may not
         have happened: they are `unknown` until reconciled. Returns (effect,
         sandbox) pairs."""

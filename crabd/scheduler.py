@@ -53,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import enum
+import functools
 import itertools
 import logging
 import math
@@ -289,9 +290,9 @@ class SchedulerPolicy:
         whenever a job is submitted or finishes (and at `next_wakeup`).
         """
         if not self.enabled:
-            started = sorted(self._queue.values(), key=Job.fifo_key)
+            fifo = sorted(self._queue.values(), key=Job.fifo_key)
             self._queue.clear()
-            return started
+            return fifo
 
         started: list[Job] = []
         slots = self.max_concurrency - len(running)
@@ -414,7 +415,7 @@ class Scheduler:
         entry = _Entry(job, coro_factory, fut, self.clock())
         self.policy.submit(job)
         self._entries[job.id] = entry
-        fut.add_done_callback(lambda f, jid=job.id: self._on_future_done(jid, f))
+        fut.add_done_callback(functools.partial(self._on_future_done, job.id))
         self._pump()
         return fut
 

@@ -484,11 +484,11 @@ class OverlaySnapshotter(Snapshotter):
                 if str(mid) not in live_merges:
                     self.meta.delete_merge(mid)
         for name in os.listdir(self._abs("a")):
-            r = active.get(name)
-            if r is None:
+            act = active.get(name)
+            if act is None:
                 rm(self._abs(f"a/{name}"))
                 continue
-            keep = f"manifest.{r.extra.get('manifest')}"
+            keep = f"manifest.{act.extra.get('manifest')}"
             for f in os.listdir(self._abs(f"a/{name}")):
                 if f.startswith("manifest.") and f != keep:
                     rm(self._abs(f"a/{name}/{f}"))

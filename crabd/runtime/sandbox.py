@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import builtins
 import os
 import re
 import secrets
@@ -157,7 +158,7 @@ class Runtime:
                     return sb
         raise NotFound(f"no sandbox {ref!r}", fix="crabd sandbox ls lists the sandboxes")
 
-    def pids(self, ref: str) -> list[int]:
+    def pids(self, ref: str) -> builtins.list[int]:
         """Host pids of every process in the sandbox (from its cgroup)."""
         sb = self.get(ref)
         procs = self.layout.freezer_dir(sb.cgroup_rel) / "cgroup.procs"
@@ -524,7 +525,7 @@ class Runtime:
                        limits=Limits.from_dict(data["limits"]), root=[Mount.from_dict(m) for m in data["root"]],
                        dir=d, labels=data.get("labels") or {})
 
-    def _image_users(self, image: str) -> list[str]:
+    def _image_users(self, image: str) -> builtins.list[str]:
         out = []
         if self.sandboxes_dir.is_dir():
             for d in self.sandboxes_dir.iterdir():
