@@ -61,7 +61,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Sequence, TypeVar
 
-from .errors import FailedPrecondition
+from .errors import FailedPrecondition, JobCancelled
 
 if TYPE_CHECKING:
     from .metrics import Metrics
@@ -145,12 +145,6 @@ class Job:
     def fifo_key(self) -> tuple[float, int, int]:
         """Background order: oldest first, then smallest."""
         return (self.created_at, self.size_bytes, self.id)
-
-
-class JobCancelled(FailedPrecondition):
-    """A queued job was removed before it ran (e.g. its sandbox was rolled back)."""
-
-    code = "job_cancelled"
 
 
 class SchedulerPolicy:

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import InvalidArgument
+from .errors import SettingsError
 from .scheduler import DEFAULT_IO_BUDGET, DEFAULT_LLM_WAIT, SchedulerPolicy
 
 __all__ = [
@@ -35,17 +35,6 @@ __all__ = [
 ]
 
 DEFAULT_CONFIG = Path("/etc/crabd/config.toml")
-
-
-class SettingsError(InvalidArgument):
-    """The configuration file (or an override) is unreadable or invalid."""
-
-    code = "invalid_config"
-
-    def __init__(self, message: str, *, path: Path | None = None, field: str | None = None, fix: str | None = None) -> None:
-        self.path = path
-        self.field = field
-        super().__init__(message, fix=fix)
 
 
 class _Section(BaseModel):

@@ -36,7 +36,7 @@ import psutil
 from deltafs import Mount, is_mountpoint, mount_all, unmount
 
 from .. import config
-from ..errors import (CommandNotFound, ExecError, ExecTimeout, FailedPrecondition,
+from ..errors import (CommandNotExecutable, CommandNotFound, ExecError, ExecTimeout, FailedPrecondition,
                       InvalidArgument, NotFound, SandboxNotRunning)
 from ..images import ImageStore, validate_name
 from ..runner import Runner, SubprocessRunner
@@ -394,6 +394,9 @@ class Runtime:
             if eno == errno.ENOENT:
                 raise CommandNotFound(f"command {argv[0]!r} not found in sandbox {sb.id}",
                                       fix="check the program exists in the image and is on PATH, or pass a shell string")
+            if eno in (errno.EACCES, errno.ENOEXEC, errno.EPERM, errno.EISDIR):
+                raise CommandNotExecutable(f"{argv[0]!r} in sandbox {sb.id} is not executable: {os.strerror(eno)}",
+                                           fix="check its mode (chmod +x) and format, or run it through a shell")
             raise ExecError(f"could not execute {argv[0]!r} in sandbox {sb.id}: {os.strerror(eno)}")
         else:
             if cap.returncode != 0:
