@@ -150,7 +150,7 @@ def serve(config_file: Optional[Path] = typer.Option(None, "--config", help="TOM
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s crabd %(levelname)s %(message)s")
     def build():  # type: ignore[no-untyped-def]
         path = config_file or Path("/etc/crabd/config.toml")
-        s = load_settings(path, missing_ok=config_file is None)
+        s = load_settings(path, missing_ok=config_file is None).with_env()
         return s.with_overrides(state_dir=state_dir, socket=socket,
                                 auto_rollback=False if no_auto_rollback else None,
                                 tcp_listen=tcp, token_file=token_file.resolve() if token_file else None,
