@@ -51,7 +51,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-
 from crabd.client import Client
 from crabd.errors import CrabdError
 from crabd.testing import DaemonHandle, all_settled, cleanup_state_dir, ensure_busybox_image

@@ -27,9 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-
 from bench import inputs
-
 from crabd.client import Client
 from crabd.images import ImageStore
 from crabd.testing import DaemonHandle, cleanup_state_dir

@@ -42,16 +42,21 @@ import tempfile
 import time
 from pathlib import Path
 
-
+from bench._stats import percentile as pct  # (bench/_stats.py: nearest rank, p in 0..100)
 from crabd.runtime import Runtime
+from crabd.runtime.process import (
+    CheckpointableRunner,
+    _scratch,
+    checkpoint_processes,
+    discard_standby,
+    list_standbys,
+    prepare_standby,
+    promote_standby,
+    restore_processes,
+)
 from crabd.testing import ensure_busybox_image
-from crabd.runtime.process import (CheckpointableRunner, checkpoint_processes, discard_standby,
-                                   list_standbys, prepare_standby, promote_standby, restore_processes)
-from crabd.runtime.process import _scratch
 from deltacr import ImageStore
 from deltafs import Mount
-
-from bench._stats import percentile as pct  # (bench/_stats.py: nearest rank, p in 0..100)
 
 HEAP = r'''
 import os, time

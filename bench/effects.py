@@ -44,9 +44,8 @@ from typing import Any
 
 import httpx
 
-
-from crabd.testing import DaemonHandle, cleanup_state_dir, ensure_busybox_image
 from bench._stats import percentile
+from crabd.testing import DaemonHandle, cleanup_state_dir, ensure_busybox_image
 
 
 class Service:

@@ -39,7 +39,6 @@ import sys
 import tempfile
 import time
 
-
 import deltafs
 from bench._stats import percentile as pct  # (bench/_stats.py: nearest rank, p in 0..100)
 

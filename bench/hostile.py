@@ -62,12 +62,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-
+from bench.harness import RssSampler
 from crabd.client import Client
 from crabd.errors import CrabdError
 from crabd.runtime import Runtime
 from crabd.testing import DaemonHandle, cleanup_state_dir, ensure_busybox_image, settled_checkpoints
-from bench.harness import RssSampler
 
 ROOT = Path(__file__).resolve().parent.parent
 

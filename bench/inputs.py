@@ -25,9 +25,8 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterable
-from typing import Any
 from pathlib import Path
-
+from typing import Any
 
 from crabd.images import DEBIAN_PYTHON_PACKAGES, ImageStore
 

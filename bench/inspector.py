@@ -52,10 +52,9 @@ import tempfile
 import time
 from pathlib import Path
 
-
+from bench._stats import median
 from ebpf import BPFUnavailable, Inspector, PlanKind, classify
 from ebpf.testing import LABELLED_TURNS, CgroupCell, TestPeer
-from bench._stats import median
 
 RANK = {PlanKind.SKIP: 0, PlanKind.FS: 1, PlanKind.FS_PROC: 2}
 

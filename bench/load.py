@@ -37,14 +37,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-
+from bench._stats import quantiles  # (nearest rank)
+from bench.harness import RssSampler
 from crabd.client import Client
 from crabd.errors import CrabdError, NotFound
 from crabd.runtime import Runtime
 from crabd.testing import DaemonHandle, cleanup_state_dir, ensure_busybox_image, settled_checkpoints
-from bench.harness import RssSampler
-
-from bench._stats import quantiles  # (nearest rank)
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -41,9 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
-from crabd.oracle import compare, load_record, read_state
-from crabd.oracle import _HashCache
+from crabd.oracle import _HashCache, compare, load_record, read_state
 from crabd.testing import DaemonHandle, cleanup_state_dir, settled_checkpoints, wait_until
 
 AGENT = Path(__file__).with_name("oracle_agent.py")
@@ -288,8 +286,8 @@ class Oracle:
 
     # daemon -----------------------------------------------------------------------------------
     def start(self) -> None:
-        from crabd.runtime import Runtime
         from bench import inputs
+        from crabd.runtime import Runtime
         rt = Runtime(self.state)
         if not rt.images.exists(IMAGE):
             rt.images.import_path(str(inputs.image_rootfs(IMAGE)), IMAGE)

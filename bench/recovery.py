@@ -81,8 +81,18 @@ from typing import Any
 
 from bench import recovery_chain as chain
 from bench.recovery_report import inspector_fields, progress, summarize, write_out
-from bench.recovery_runs import (DAEMON_METHODS, FAULTS, METHODS, ROOT, Bench, RunRecord, Verdict,
-                                 longest_middle_turn, pick_traces, plan_runs)
+from bench.recovery_runs import (
+    DAEMON_METHODS,
+    FAULTS,
+    METHODS,
+    ROOT,
+    Bench,
+    RunRecord,
+    Verdict,
+    longest_middle_turn,
+    pick_traces,
+    plan_runs,
+)
 from bench.recovery_scale import run_scale
 from crabd.errors import CrabdError
 from crabd.traces import Trace, load_traces

@@ -23,13 +23,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-
+from bench import inputs  # (bench/inputs.py: trace images and PyPI inputs)
 from crabd.errors import CrabdError
 from crabd.runtime import Runtime
 from crabd.testing import CRABD, DaemonHandle, cleanup_state_dir
 from crabd.traces import STATE_DIGEST, Trace
-
-from bench import inputs  # (bench/inputs.py: trace images and PyPI inputs)
 
 ROOT = Path(__file__).resolve().parent.parent
 

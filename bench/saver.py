@@ -31,16 +31,15 @@ import time
 from pathlib import Path
 from typing import Any, TypedDict
 
-
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
 
+from bench._stats import median
 from crabd.client import Client
 from crabd.integrations.langgraph import CrabdCheckpointSaver
 from crabd.runtime import Runtime
 from crabd.testing import DaemonHandle, cleanup_state_dir
-from bench._stats import median
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -43,10 +43,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-
+from bench._stats import percentile
 from crabd.runtime import Runtime
 from crabd.testing import DaemonHandle, cleanup_state_dir, ensure_busybox_image
-from bench._stats import percentile
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -37,9 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
 from bench import inputs
-
 from crabd.traces import Trace
 
 ROOT = Path(__file__).resolve().parent.parent

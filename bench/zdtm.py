@@ -79,7 +79,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-
 from crabd.errors import CommandFailed, CrabdError, FailedPrecondition
 
 ROOT = Path(__file__).resolve().parent.parent
