@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from .runtime import Runtime
 
 __all__ = ["FakeRunner", "DaemonHandle", "busybox_rootfs", "cleanup_state_dir", "ensure_busybox_image",
-           "settled_checkpoints", "all_settled", "wait_until"]
+           "settled_checkpoints", "settled_checkpoint", "all_settled", "wait_until"]
 
 CRABD = str(Path(sys.executable).parent / "crabd")
 
@@ -182,6 +182,14 @@ def settled_checkpoints(c: "Client", sid: str, timeout: float = 240, *, all: boo
         cks = c.checkpoints(sid, all=all)
         return cks if all_settled(cks) else None
     return wait_until(settled, f"settled checkpoints of {sid}", timeout, interval)  # type: ignore[return-value]
+
+
+def settled_checkpoint(c: "Client", cid: str, timeout: float = 120, interval: float = 0.2) -> dict[str, Any]:
+    """Checkpoint `cid` once it is no longer pending (a hang guard like `wait_until`)."""
+    def settled() -> dict[str, Any] | None:
+        ck = c.checkpoint(cid)
+        return ck if ck["state"] != "pending" else None
+    return wait_until(settled, f"settled checkpoint {cid}", timeout, interval)  # type: ignore[return-value]
 
 
 def all_settled(cks: list[dict[str, Any]]) -> bool:
