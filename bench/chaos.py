@@ -2,7 +2,7 @@
 """Chaos benchmark: kill -9 crabd at seeded random instants inside its
 critical phases, restart it, and check that nothing was lost or leaked.
 
-    python bench/chaos.py [--quick] [--json] [--seed N] [--runs N] [--drivers btrfs,overlay]
+    python -m bench.chaos [--quick] [--json] [--seed N] [--runs N] [--drivers btrfs,overlay]
 
 (wired to `crabd bench chaos`). Needs root, runc, CRIU, busybox.
 
@@ -43,7 +43,6 @@ import argparse
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -52,11 +51,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from crabd.client import Client  # noqa: E402
-from crabd.errors import CrabdError  # noqa: E402
-from crabd.testing import DaemonHandle, cleanup_state_dir  # noqa: E402
+from crabd.client import Client
+from crabd.errors import CrabdError
+from crabd.testing import DaemonHandle, all_settled, cleanup_state_dir, ensure_busybox_image
 
 PHASES = {"btrfs": ["fs_commit", "criu_dump", "rollback", "fork"],
           "overlay": ["fs_commit", "criu_dump", "compaction", "rollback", "fork"]}
@@ -65,25 +62,10 @@ DIGEST = "cat /data/* 2>/dev/null | md5sum"
 CGROUP = Path("/sys/fs/cgroup")
 
 
-def busybox_rootfs(dst: Path) -> Path:
-    bb = shutil.which("busybox") or "/bin/busybox"
-    for d in ("bin", "tmp", "etc", "root", "data"):
-        (dst / d).mkdir(parents=True, exist_ok=True)
-    shutil.copy2(bb, dst / "bin" / "busybox")
-    for a in subprocess.run([bb, "--list"], capture_output=True, text=True, check=True).stdout.split():
-        if a != "busybox":
-            (dst / "bin" / a).symlink_to("busybox")
-    (dst / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
-    return dst
-
-
 def new_state(driver: str, base: str) -> Path:
     from crabd.runtime import Runtime
     st = Path(tempfile.mkdtemp(prefix=f"crabd-chaos-{driver}-", dir=base))
-    imgs = Runtime(st).images
-    src = busybox_rootfs(st / "bb-src")
-    imgs.import_path(str(src), "busybox")
-    shutil.rmtree(st / "bb-src")
+    ensure_busybox_image(Runtime(st), extra_dirs=("data",))
     return st
 
 
@@ -187,9 +169,11 @@ class Chaos:
 
     def settle(self, c: Client, timeout: float = 60) -> None:
         """Wait until no checkpoint of ours is pending."""
+        # No hang guard: a capture still pending after `timeout` shows up
+        # in the committed-set comparison after the next kill.
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            if not any(ck["state"] == "pending" for sid in self.sandboxes for ck in c.checkpoints(sid)):
+            if all_settled([ck for sid in self.sandboxes for ck in c.checkpoints(sid)]):
                 return
             time.sleep(0.2)
 
@@ -415,7 +399,8 @@ class Chaos:
         self.out["leaked_snapshots"] += len(left)
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's options (also `crabd bench NAME --help`)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="10 kills (default 50)")
     ap.add_argument("--runs", type=int, default=None, help="number of kills (overrides --quick)")
@@ -426,7 +411,11 @@ def main() -> int:
     ap.add_argument("--verify-cap", type=int, default=0,
                     help="at the end roll back to a seeded sample of N recorded checkpoints per driver (0 = all)")
     ap.add_argument("--json", action="store_true")
-    a = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
     if os.geteuid() != 0:
         print("error: bench chaos needs root (runc, mounts, CRIU)", file=sys.stderr)
         return 2

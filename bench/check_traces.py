@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Prove the shipped traces are fit for the recovery benchmark.
 
-    python bench/check_traces.py [--traces DIR] [--only NAME,...] [--time-scale 0.02]
+    python -m bench.check_traces [--traces DIR] [--only NAME,...] [--time-scale 0.02]
                                  [--json] [--out DIR]
     (or: crabd bench check-traces ...)
 
@@ -27,16 +27,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import inputs
+from crabd.client import Client
+from crabd.images import ImageStore
+from crabd.testing import DaemonHandle, cleanup_state_dir
+from crabd.traces import STATE_DIGEST, Trace, load_traces
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-import inputs  # noqa: E402
-
-from crabd.client import Client  # noqa: E402
-from crabd.images import ImageStore  # noqa: E402
-from crabd.testing import DaemonHandle, cleanup_state_dir  # noqa: E402
-from crabd.traces import STATE_DIGEST, Trace, load_traces  # noqa: E402
 
 
 class TraceRun:
@@ -108,14 +105,19 @@ def check_trace(c: Client, t: Trace, time_scale: float) -> dict:
     return res
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's options (also `crabd bench NAME --help`)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--traces", default=str(ROOT / "bench" / "traces"))
     ap.add_argument("--only", default="", help="comma-separated trace names")
     ap.add_argument("--time-scale", type=float, default=0.02, help="multiplier of the traces' LLM waits")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=None, help="directory for summary.json and summary.md")
-    a = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
     traces = load_traces(a.traces)
     if a.only:
         want = {x.strip() for x in a.only.split(",") if x.strip()}
@@ -158,7 +160,7 @@ def main() -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         lines = ["# Trace check", "",
-                 f"`python bench/check_traces.py {' '.join(sys.argv[1:])}`: {summary['ok']}/{summary['traces']} "
+                 f"`python -m bench.check_traces {' '.join(sys.argv[1:])}`: {summary['ok']}/{summary['traces']} "
                  f"traces pass, {summary['seconds']} s.", "",
                  "| trace | image | turns | fault-free | deterministic | chat-only at middle | seconds |",
                  "|---|---|---|---|---|---|---|"]

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """deltacr benchmark: process dump, cold restore, hot-standby promotion, image bytes.
 
-    python bench/cr.py [--quick] [--json] [--state-dir DIR]
+    python -m bench.cr [--quick] [--json] [--state-dir DIR]
 
 (wired to `crabd bench cr`). Needs root, runc and CRIU. Two sandboxes:
 
@@ -42,17 +42,21 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from crabd.runtime import Runtime  # noqa: E402
-from crabd.testing import busybox_rootfs  # noqa: E402
-from crabd.runtime.process import (CheckpointableRunner, checkpoint_processes, discard_standby,  # noqa: E402
-                                   list_standbys, prepare_standby, promote_standby, restore_processes)
-from crabd.runtime.process import _scratch  # noqa: E402
-from deltacr import ImageStore  # noqa: E402
-from deltafs import Mount  # noqa: E402
-
-from _stats import percentile as pct  # noqa: E402  (bench/_stats.py: nearest rank, p in 0..100)
+from bench._stats import percentile as pct  # (bench/_stats.py: nearest rank, p in 0..100)
+from crabd.runtime import Runtime
+from crabd.runtime.process import (
+    CheckpointableRunner,
+    _scratch,
+    checkpoint_processes,
+    discard_standby,
+    list_standbys,
+    prepare_standby,
+    promote_standby,
+    restore_processes,
+)
+from crabd.testing import ensure_busybox_image
+from deltacr import ImageStore
+from deltafs import Mount
 
 HEAP = r'''
 import os, time
@@ -63,16 +67,6 @@ while True:
     i += 1
     time.sleep(0.05)
 '''
-
-
-def busybox_image(rt: Runtime) -> str:
-    name = "busybox"
-    if rt.images.exists(name):
-        return name
-    src = busybox_rootfs(Path(tempfile.mkdtemp(prefix="bb-")) / "rootfs")
-    rt.images.import_path(str(src), name)
-    shutil.rmtree(src.parent, ignore_errors=True)
-    return name
 
 
 def start_small(rt: Runtime, sid: str) -> None:
@@ -201,13 +195,18 @@ def scenario_fs(rt: Runtime, image: str, n_ck: int, base: Path) -> dict:  # type
         getattr(snaps, "unmount_pool", snaps.close)()
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's options (also `crabd bench NAME --help`)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="5 checkpoints, 3 restores/promotions")
     ap.add_argument("--json", action="store_true", help="print JSON only")
     ap.add_argument("--state-dir", default=os.environ.get("CRABD_TEST_STATE_DIR", "/var/lib/crabd-test"))
     ap.add_argument("--only", choices=["small", "heap200", "small_fs"], help="run one scenario")
-    a = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
     if os.geteuid() != 0:
         print("bench/cr.py needs root (runc, CRIU, mounts)", file=sys.stderr)
         return 2
@@ -217,9 +216,9 @@ def main() -> int:
     res: dict = {}
     try:
         if a.only in (None, "small"):
-            res["small"] = scenario(rt, "small", busybox_image(rt), start_small, n_ck, n_rs, base)
+            res["small"] = scenario(rt, "small", ensure_busybox_image(rt), start_small, n_ck, n_rs, base)
         if a.only in (None, "small_fs"):
-            res["small_fs"] = scenario_fs(rt, busybox_image(rt), n_ck, base)
+            res["small_fs"] = scenario_fs(rt, ensure_busybox_image(rt), n_ck, base)
         if a.only in (None, "heap200"):
             if not rt.images.exists("debian-py"):
                 print("heap200 needs the debian-py image: run the integration tests once "

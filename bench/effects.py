@@ -44,10 +44,8 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from crabd.testing import DaemonHandle, busybox_rootfs, cleanup_state_dir  # noqa: E402
-from _stats import percentile  # noqa: E402
+from bench._stats import percentile
+from crabd.testing import DaemonHandle, cleanup_state_dir, ensure_busybox_image
 
 
 class Service:
@@ -100,9 +98,7 @@ class Service:
 def busybox_state(base: str) -> Path:
     from crabd.runtime import Runtime
     st = Path(tempfile.mkdtemp(prefix="crabd-bench-effects-", dir=base))
-    src = busybox_rootfs(st / "bb-src")
-    Runtime(st).images.import_path(str(src), "busybox")
-    shutil.rmtree(src)
+    ensure_busybox_image(Runtime(st))
     return st
 
 
@@ -210,7 +206,8 @@ def pct(xs: list[float], q: float) -> float:
     return round(v * 1000, 2) if v is not None else 0.0
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's options (also `crabd bench NAME --help`)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sessions", type=int, default=None, help="sessions (default 6; --quick: 2)")
     ap.add_argument("--turns", type=int, default=6)
@@ -218,7 +215,11 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--state-base", default="/var/tmp")
     ap.add_argument("--json", action="store_true")
-    a = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
     if os.geteuid() != 0:
         print("crabd bench effects needs root (it runs crabd and runc sandboxes)", file=sys.stderr)
         return 2

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """deltafs benchmark: checkpoint pause and total, rollback, fork, bytes, depth — per driver.
 
-    python bench/fs.py [--quick] [--json] [--drivers btrfs,overlay] [--image ROOTFS_DIR]
+    python -m bench.fs [--quick] [--json] [--drivers btrfs,overlay] [--image ROOTFS_DIR]
 
 (wired to `crabd bench fs`). Needs root: it mounts, creates a loop-backed
 btrfs pool and a cgroup v1 freezer cgroup.
@@ -39,10 +39,8 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import deltafs  # noqa: E402
-from _stats import percentile as pct  # noqa: E402  (bench/_stats.py: nearest rank, p in 0..100)
+import deltafs
+from bench._stats import percentile as pct  # (bench/_stats.py: nearest rank, p in 0..100)
 
 FREEZER = "/sys/fs/cgroup/freezer"
 CLASSES = ["0", "1", "100", "10000", "1MiB", "256MiB"]
@@ -309,14 +307,19 @@ def bench_driver(driver: str, quick: bool, image_dir: str | None, base: str, log
             s.close()
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's options (also `crabd bench NAME --help`)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (same keys), < 60 s")
     ap.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
     ap.add_argument("--drivers", default="btrfs,overlay")
     ap.add_argument("--image", help="rootfs directory to use as the base image (default: synthetic)")
     ap.add_argument("--workdir", default="/var/tmp", help="where state dirs are created (and deleted)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     if os.geteuid() != 0:
         sys.exit("bench fs needs root (mounts, loop devices, cgroup freezer)")
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))

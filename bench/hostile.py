@@ -2,7 +2,7 @@
 """Hostile sandboxes: what a sandbox can put in its own files and processes,
 and whether crabd's checkpoint, diff, rollback and fork stay inside it.
 
-    python bench/hostile.py [--quick] [--json] [--files N] [--disk-mib N]
+    python -m bench.hostile [--quick] [--json] [--files N] [--disk-mib N]
     (or: crabd bench hostile ...)
 
 A real daemon (busybox image) runs on a fresh state directory whose btrfs
@@ -62,15 +62,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from bench.harness import RssSampler
+from crabd.client import Client
+from crabd.errors import CrabdError
+from crabd.runtime import Runtime
+from crabd.testing import DaemonHandle, cleanup_state_dir, ensure_busybox_image, settled_checkpoints
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import psutil  # noqa: E402
-
-from crabd.client import Client  # noqa: E402
-from crabd.errors import CrabdError  # noqa: E402
-from crabd.runtime import Runtime  # noqa: E402
-from crabd.testing import DaemonHandle, cleanup_state_dir  # noqa: E402
 
 CANARY_SIZE = 31337  # distinctive: must never show up as the size of anything in a diff
 IN_ALL = 0xFFF       # IN_ACCESS .. IN_MOVE_SELF
@@ -137,27 +135,6 @@ class Canary:
 
 
 # --- daemon RSS and the responsiveness guard ----------------------------------------------
-class RssSampler(threading.Thread):
-    def __init__(self, pid: int, interval: float = 0.2) -> None:
-        super().__init__(daemon=True)
-        self.proc, self.interval = psutil.Process(pid), interval
-        self.samples: list[tuple[float, int]] = []
-        self.stop_ev = threading.Event()
-        self.t0 = time.monotonic()
-
-    def run(self) -> None:
-        while not self.stop_ev.is_set():
-            try:
-                self.samples.append((time.monotonic() - self.t0, self.proc.memory_info().rss))
-            except psutil.Error:
-                return
-            self.stop_ev.wait(self.interval)
-
-    def peak_since(self, t: float) -> int:
-        xs = [r for (s, r) in self.samples if s >= t - self.t0 - self.interval]
-        return max(xs) if xs else 0
-
-
 class Guard(threading.Thread):
     """Keeps calling the API for another sandbox while a hostile phase runs."""
 
@@ -281,27 +258,11 @@ def make_state(workdir: str, mib: int, driver: str = "btrfs") -> tuple[Path, Pat
     return base, state, cfg
 
 
-def import_busybox(state: Path) -> None:
-    """The busybox image: static busybox and its applet links (as the tests make it)."""
-    from crabd.errors import FailedPrecondition
-    from crabd.testing import busybox_rootfs
-    with tempfile.TemporaryDirectory(prefix="crabd-bb-", dir=str(state)) as tmp:
-        try:
-            root = busybox_rootfs(Path(tmp) / "rootfs")
-        except FailedPrecondition as e:
-            raise SystemExit(f"{e}") from None
-        Runtime(state).images.import_path(str(root), "busybox")
-
-
 def wait_committed(c: Client, sid: str, timeout: float = 1800) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + timeout
-    while True:
-        cks = c.checkpoints(sid)
-        if all(k["state"] == "committed" for k in cks):
-            return cks
-        if time.monotonic() > deadline:
-            raise SystemExit(f"checkpoints of {sid} not committed after {timeout} s: {cks[-3:]}")
-        time.sleep(0.1)
+    cks = settled_checkpoints(c, sid, timeout, all=False)
+    if not all(k["state"] == "committed" for k in cks):
+        raise SystemExit(f"checkpoints of {sid} not all committed: {cks[-3:]}")
+    return cks
 
 
 class Phases:
@@ -387,7 +348,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                            "sandbox_disk": f"btrfs loop pool of {disk_mib} MiB" if a.driver == "btrfs" else
                            f"overlay upper dirs on {a.workdir}'s file system (not filled)"}
     try:
-        import_busybox(state)
+        ensure_busybox_image(Runtime(state))
         d.start()
         assert d.proc is not None
         rss = RssSampler(d.proc.pid)
@@ -546,7 +507,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's options (also `crabd bench NAME --help`)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="20k files, 1.5 GiB disk (the CI size)")
     ap.add_argument("--json", action="store_true", help="print one JSON document")
@@ -558,7 +520,11 @@ def main() -> int:
     ap.add_argument("--deep", type=int, default=1200, help="levels of the deep directory chain (> 1024 fds)")
     ap.add_argument("--guard-s", type=float, default=120.0, help="an API call slower than this = blocked")
     ap.add_argument("--workdir", default="/var/tmp")
-    a = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
     if os.geteuid() != 0:
         raise SystemExit("bench hostile needs root (it runs a crabd daemon)")
     out = run(a)

@@ -7,7 +7,7 @@ them once from PyPI into a cache on the host and copies them into a sandbox
 at /inputs/NAME before the trace's files and setup, where the trace installs
 them with `pip install --no-index --find-links /inputs`.
 
-    python bench/inputs.py [--images]     # fetch every pinned input (and build the images)
+    python -m bench.inputs [--images]     # fetch every pinned input (and build the images)
 
 The cache is /var/cache/crabd-bench (CRABD_BENCH_CACHE overrides it):
     pypi/NAME              sdists and wheels, exact pins below, fetched with pip download
@@ -25,13 +25,12 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterable
-from typing import Any
 from pathlib import Path
+from typing import Any
+
+from crabd.images import DEBIAN_PYTHON_PACKAGES, ImageStore
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from crabd.images import DEBIAN_PYTHON_PACKAGES, ImageStore  # noqa: E402
 
 CACHE = Path(os.environ.get("CRABD_BENCH_CACHE", "/var/cache/crabd-bench"))
 SANDBOX_DIR = "/inputs"
@@ -150,10 +149,15 @@ def image_rootfs(name: str, progress: Callable[[str], None] | None = None) -> Pa
     return Path(img.path)
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's options (also `crabd bench NAME --help`)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--images", action="store_true", help="also build the trace images that are not cached")
-    a = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
     for p in fetch(PINNED):
         print(f"{p.stat().st_size:>9}  {p}")
     if a.images:

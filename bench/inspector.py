@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """ebpf inspector benchmark: overhead on syscall-heavy workloads, accuracy on labelled turns.
 
-    python bench/inspector.py [--quick] [--json] [--runs N]
+    python -m bench.inspector [--quick] [--json] [--runs N]
 
 (wired to `crabd bench inspector`). Needs root: it loads BPF programs and
 creates cgroups under /sys/fs/cgroup/unified and two network namespaces.
@@ -52,11 +52,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from ebpf import BPFUnavailable, Inspector, PlanKind, classify  # noqa: E402
-from ebpf.testing import LABELLED_TURNS, CgroupCell, TestPeer  # noqa: E402
-from _stats import median  # noqa: E402
+from bench._stats import median
+from ebpf import BPFUnavailable, Inspector, PlanKind, classify
+from ebpf.testing import LABELLED_TURNS, CgroupCell, TestPeer
 
 RANK = {PlanKind.SKIP: 0, PlanKind.FS: 1, PlanKind.FS_PROC: 2}
 
@@ -306,12 +304,17 @@ def accuracy(work: Path) -> dict:
             "label_skip_fraction": round(label_skip, 3), "external_missed": ext_miss, "external_extra": ext_extra}
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's options (also `crabd bench NAME --help`)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer runs, smaller workloads")
     ap.add_argument("--json", action="store_true", help="print one JSON document")
     ap.add_argument("--runs", type=int, default=None, help="runs per workload and mode (default 9, quick 5)")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     if os.geteuid() != 0:
         print("bench/inspector.py needs root (BPF, cgroups, network namespaces)", file=sys.stderr)
         return 2

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Load: N sandboxes x M turns through one daemon, with random think times.
 
-    python bench/load.py [--quick] [--sandboxes N --turns M] [--think-ms MAX] [--seed S] [--json]
+    python -m bench.load [--quick] [--sandboxes N --turns M] [--think-ms MAX] [--seed S] [--json]
     (or: crabd bench load ...)
 
 Full: 32 x 200; quick: 8 x 50 (busybox image, a fresh state dir). Each
@@ -37,18 +37,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench._stats import quantiles  # (nearest rank)
+from bench.harness import RssSampler
+from crabd.client import Client
+from crabd.errors import CrabdError, NotFound
+from crabd.runtime import Runtime
+from crabd.testing import DaemonHandle, cleanup_state_dir, ensure_busybox_image, settled_checkpoints
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import psutil  # noqa: E402
-
-from crabd.client import Client  # noqa: E402
-from crabd.errors import CrabdError, NotFound  # noqa: E402
-from crabd.testing import DaemonHandle, cleanup_state_dir  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "bench"))
-from _stats import quantiles  # noqa: E402  (nearest rank)
-from hostile import import_busybox  # noqa: E402
 
 
 def summary_ms(xs: list[float]) -> dict[str, Any]:
@@ -95,33 +91,6 @@ class Agent(threading.Thread):
             self.expected[r["checkpoint"]] = list(lines)
 
 
-class RssSampler(threading.Thread):
-    def __init__(self, pid: int, interval: float) -> None:
-        super().__init__(daemon=True)
-        self.proc, self.interval = psutil.Process(pid), interval
-        self.samples: list[tuple[float, float]] = []
-        self.stop_ev = threading.Event()
-
-    def run(self) -> None:
-        t0 = time.monotonic()
-        while not self.stop_ev.is_set():
-            try:
-                self.samples.append((round(time.monotonic() - t0, 1),
-                                     round(self.proc.memory_info().rss / 2**20, 1)))
-            except psutil.Error:
-                return
-            self.stop_ev.wait(self.interval)
-
-
-def wait_settled(c: Client, sid: str, timeout: float = 600) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + timeout
-    while True:
-        cks = c.checkpoints(sid, all=True)
-        if not any(k["state"] == "pending" for k in cks) or time.monotonic() > deadline:
-            return cks
-        time.sleep(0.1)
-
-
 def run(a: argparse.Namespace) -> dict[str, Any]:
     n = a.sandboxes or (8 if a.quick else 32)
     m = a.turns or (50 if a.quick else 200)
@@ -132,7 +101,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     d.log = log_path
     out: dict[str, Any] = {"sandboxes": n, "turns": m, "think_ms_max": a.think_ms, "seed": a.seed}
     try:
-        import_busybox(state)
+        ensure_busybox_image(Runtime(state))
         d.start()
         assert d.proc is not None
         c = Client(d.socket)
@@ -160,7 +129,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         states: dict[str, int] = {}
         retired = 0
         for ag in agents:
-            cks = {k["id"]: k for k in wait_settled(c, ag.sid)}
+            cks = {k["id"]: k for k in settled_checkpoints(c, ag.sid, 600)}
             for cid in ag.expected:
                 st = cks[cid]["state"] if cid in cks else "retired"
                 states[st] = states.get(st, 0) + 1
@@ -185,12 +154,12 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                     problems.append(f"rollback to {cid}: /root/log has {len(got)} lines, expected "
                                     f"{len(ag.expected[cid])}")
         out["rollback_checks"] = {"checked": checked, "wrong": wrong}
-        rss.stop_ev.set()
-        rss.join()
-        xs = [r for _, r in rss.samples]
-        step = max(1, len(rss.samples) // 40)
+        rss.stop()
+        series = rss.mib()
+        xs = [r for _, r in series]
+        step = max(1, len(series) // 40)
         out["daemon_rss_mib"] = {"start": xs[0] if xs else None, "peak": max(xs) if xs else None,
-                                 "end": xs[-1] if xs else None, "samples": rss.samples[::step]}
+                                 "end": xs[-1] if xs else None, "samples": series[::step]}
         # Every committed row verifies against its keyed digest (read with
         # the store's own code, next to the running daemon: WAL readers).
         from crabd.store import Store
@@ -222,7 +191,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's options (also `crabd bench NAME --help`)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="8 sandboxes x 50 turns")
     ap.add_argument("--sandboxes", type=int, default=None, help="default: full 32, quick 8")
@@ -233,7 +203,11 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", action="store_true", help="print one JSON document")
     ap.add_argument("--workdir", default="/var/tmp")
-    a = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
     if os.geteuid() != 0:
         raise SystemExit("bench load needs root (it runs a crabd daemon)")
     out = run(a)

@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import random
-import shutil
 import signal
 import sys
 import tempfile
@@ -42,12 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from crabd.oracle import compare, load_record, read_state  # noqa: E402
-from crabd.oracle import _HashCache  # noqa: E402
-from crabd.testing import DaemonHandle, cleanup_state_dir, wait_until  # noqa: E402
+from crabd.oracle import _HashCache, compare, load_record, read_state
+from crabd.testing import DaemonHandle, cleanup_state_dir, settled_checkpoints, wait_until
 
 AGENT = Path(__file__).with_name("oracle_agent.py")
 AGENT_IN = "/opt/oracle/agent.py"
@@ -296,8 +291,8 @@ class Oracle:
 
     # daemon -----------------------------------------------------------------------------------
     def start(self) -> None:
+        from bench import inputs
         from crabd.runtime import Runtime
-        import inputs
         rt = Runtime(self.state)
         if not rt.images.exists(IMAGE):
             rt.images.import_path(str(inputs.image_rootfs(IMAGE)), IMAGE)
@@ -375,10 +370,7 @@ class Oracle:
         return found
 
     def _wait_captured(self, sid: str) -> list[dict[str, Any]]:
-        def settled() -> Any:
-            cks = self.client().checkpoints(sid, all=True)
-            return cks if all(ck["state"] != "pending" for ck in cks) else None
-        return wait_until(settled, "captures done", timeout=180, interval=0.1)  # type: ignore[return-value]
+        return settled_checkpoints(self.client(), sid, 180)
 
     def _truth(self, cid: str) -> dict[str, Any] | None:
         p = self.records / f"{cid}.json.zst"
@@ -660,7 +652,8 @@ def result(a: argparse.Namespace, o: Oracle, out: Outcome, shrunk: dict[str, Any
            "seconds": round(time.monotonic() - t0, 1)}
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's options (also `crabd bench NAME --help`)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="200 turns, 60 s of shrinking per family")
     ap.add_argument("--turns", type=int, default=None, help="turns in all (default: quick 200, else 2000)")
@@ -677,7 +670,11 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=None, help="also write the JSON here, after every session")
     ap.add_argument("--verbose", action="store_true")
-    a = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
     total = a.turns or (200 if a.quick else 2000)
     shrink_s = a.shrink_s if a.shrink_s is not None else (60.0 if a.quick else 240.0)
     gen = Generator(a.seed, faults=not a.no_faults, avoid_known=a.avoid_known)

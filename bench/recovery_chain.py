@@ -23,10 +23,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from bench._stats import quantiles
+from bench.recovery_runs import DIGEST_PY, DIGEST_SH, Bench, Box, RunRecord
 from crabd.errors import CrabdError
 from crabd.traces import Trace
-from _stats import quantiles
-from recovery import DIGEST_PY, DIGEST_SH, Bench, Box, RunRecord
 
 
 @dataclass

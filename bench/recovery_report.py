@@ -10,8 +10,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from _stats import median, quantiles
-from recovery import METHODS, RunRecord, record_dict
+from bench._stats import median, quantiles
+from bench.recovery_runs import METHODS, RunRecord, record_dict
 
 
 class _Bar:
@@ -271,7 +271,7 @@ def report_md(result: dict[str, Any], argv: list[str]) -> str:
         if notes:
             lines += ["", "Notes:", ""] + notes
     if result.get("chain"):
-        from recovery_chain import report_lines
+        from bench.recovery_chain import report_lines
         lines += [f"traces: {', '.join(result.get('traces', []))}; LLM waits × {result.get('time_scale')}"]
         if inspector_line(result):
             lines += ["", inspector_line(result)]

@@ -10,12 +10,12 @@ import threading
 import time
 from typing import Any
 
-from _stats import percentile, quantiles
-from recovery import Bench
+from bench._stats import percentile, quantiles
+from bench.recovery_report import progress
+from bench.recovery_runs import Bench
 
 
 def run_scale(b: Bench, trace: Any, ns: list[int]) -> list[dict[str, Any]]:
-    from recovery_report import progress
     out = []
     with progress(2 * len(ns)) as bar:
         for sched in (True, False):

@@ -31,18 +31,17 @@ import time
 from pathlib import Path
 from typing import Any, TypedDict
 
+from langchain_core.runnables import RunnableConfig
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.graph import END, START, StateGraph
+
+from bench._stats import median
+from crabd.client import Client
+from crabd.integrations.langgraph import CrabdCheckpointSaver
+from crabd.runtime import Runtime
+from crabd.testing import DaemonHandle, cleanup_state_dir
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from langchain_core.runnables import RunnableConfig  # noqa: E402
-from langgraph.checkpoint.memory import InMemorySaver  # noqa: E402
-from langgraph.graph import END, START, StateGraph  # noqa: E402
-
-from crabd.client import Client  # noqa: E402
-from crabd.integrations.langgraph import CrabdCheckpointSaver  # noqa: E402
-from crabd.runtime import Runtime  # noqa: E402
-from crabd.testing import DaemonHandle, cleanup_state_dir  # noqa: E402
-from _stats import median  # noqa: E402
 
 TEST_STATE = Path(os.environ.get("CRABD_TEST_STATE_DIR", "/var/lib/crabd-test"))
 
@@ -65,13 +64,18 @@ def build(checkpointer: Any, c: Client, steps: int, sandbox: Any) -> Any:
     return g.compile(checkpointer=checkpointer)
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's options (also `crabd bench NAME --help`)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="--steps 8 --runs 2")
     ap.add_argument("--json", action="store_true")
-    a = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
     if a.quick:
         a.steps, a.runs = 8, 2
     src = Runtime(TEST_STATE).images

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _stats import median
+from bench._stats import median
 
 
 def _ms(xs: list[float]) -> dict[str, float]:
@@ -74,13 +74,18 @@ async def one_driver(driver: str, turns: int, mib: int, reps: int) -> dict[str, 
         cleanup_state_dir(st)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's options (also `crabd bench NAME --help`)."""
     ap = argparse.ArgumentParser(prog="crabd bench seals", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="5 turns, 3 repetitions")
     ap.add_argument("--turns", type=int, default=20)
     ap.add_argument("--mib", type=int, default=1, help="MiB written per turn")
     ap.add_argument("--json", action="store_true")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
     turns, reps = (5, 3) if a.quick else (a.turns, 10)
     out = {"bench": "seals", "results": [asyncio.run(one_driver(drv, turns, a.mib, reps))
                                          for drv in ("btrfs", "overlay")]}

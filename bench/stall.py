@@ -43,12 +43,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench._stats import percentile
+from crabd.runtime import Runtime
+from crabd.testing import DaemonHandle, cleanup_state_dir, ensure_busybox_image
 
-from crabd.runtime import Runtime  # noqa: E402
-from crabd.testing import DaemonHandle, busybox_rootfs, cleanup_state_dir  # noqa: E402
-from _stats import percentile  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 TEST_STATE = Path(os.environ.get("CRABD_TEST_STATE_DIR", "/var/lib/crabd-test"))
 
@@ -176,12 +175,11 @@ def ensure_image(rt: Runtime, image: str) -> str:
     if image != "busybox":
         raise SystemExit(f"image {image!r} not in {TEST_STATE}: run the integration tests once "
                          f"(or `crabd image build-debian debian-py`)")
-    src = busybox_rootfs(Path(tempfile.mkdtemp(prefix="bb-", dir="/var/tmp")) / "rootfs")
-    rt.images.import_path(str(src), image)
-    return rt.images.get(image).path
+    return rt.images.get(ensure_busybox_image(rt)).path
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's options (also `crabd bench NAME --help`)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sandboxes", default="1,4,16", help="comma-separated sandbox counts")
     ap.add_argument("--turns", type=int, default=12)
@@ -194,7 +192,11 @@ def main() -> None:
     ap.add_argument("--label", default="latest")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "stall"))
     ap.add_argument("--json", action="store_true")
-    a = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parser().parse_args(argv)
     counts = [int(x) for x in a.sandboxes.split(",") if x]
     configs = [x for x in a.configs.split(",") if x]
     if os.geteuid() != 0:

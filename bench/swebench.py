@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Convert SWE-bench task instances (and SWE-agent trajectories) into traces.
 
-    python bench/swebench.py --instances FILE.jsonl --repos DIR --out DIR
+    python -m bench.swebench --instances FILE.jsonl --repos DIR --out DIR
                              [--trajectories DIR] [--image debian-py] [--test-cmd CMD]
                              [--llm-wait-ms 3000] [--json]
     (or: crabd bench swebench ...)
@@ -37,13 +37,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench import inputs
+from crabd.traces import Trace
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-import inputs  # noqa: E402
-
-from crabd.traces import Trace  # noqa: E402
 
 TESTBED = "/testbed"
 REQUIRED = ("instance_id", "repo", "base_commit", "patch", "test_patch", "FAIL_TO_PASS", "PASS_TO_PASS")
@@ -283,7 +280,8 @@ def convert(inst: dict[str, Any], *, repos: Path, traj: Path | None, image: str,
     })
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's options (also `crabd bench NAME --help`)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--instances", required=True, type=Path, help="SWE-bench instances, one JSON object a line")
     ap.add_argument("--repos", required=True, type=Path, help="directory with git checkouts of the instances' repos")
@@ -293,7 +291,11 @@ def main() -> int:
     ap.add_argument("--test-cmd", default=None, help="test runner; test ids are appended [pytest; django: runtests.py]")
     ap.add_argument("--llm-wait-ms", type=int, default=3000)
     ap.add_argument("--json", action="store_true")
-    a = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
     try:
         insts = read_instances(a.instances)
         trajs = {p.stem: p for p in sorted(a.trajectories.rglob("*.traj"))} if a.trajectories else {}

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """zdtm conformance: CRIU's own static tests, each run through crabd.
 
-    python bench/zdtm.py [--quick] [--tests a,b,c] [--json] [--out DIR] [--jobs N]
+    python -m bench.zdtm [--quick] [--tests a,b,c] [--json] [--out DIR] [--jobs N]
                          [--variants native,dump_continue,auto_recovery,rollback,fork]
-    python bench/zdtm.py --build-only [--tests a,b,c]
+    python -m bench.zdtm --build-only [--tests a,b,c]
     (or: crabd bench zdtm ...)
 
 CRIU's maintainers test checkpoint/restore with zdtm: small programs that
@@ -79,10 +79,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from crabd.errors import CommandFailed, CrabdError, FailedPrecondition
 
-from crabd.errors import CommandFailed, CrabdError, FailedPrecondition  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 CRIU_VERSION = "4.1.1"
 CRIU_SOURCE = f"criu_{CRIU_VERSION}.orig.tar.xz"
@@ -824,7 +823,8 @@ def print_table(summary: dict[str, Any]) -> None:
     con.print(f"host-limited: {', '.join(h['test'] for h in summary['host_limited'])}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's options (also `crabd bench NAME --help`)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
     ap.add_argument("--tests", help="comma-separated test names")
@@ -835,7 +835,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", type=Path, help="write zdtm.json and zdtm.md there")
     ap.add_argument("--build-only", action="store_true", help="fetch, build and make the image, run nothing")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
     if os.geteuid() != 0:
         print("crabd bench zdtm needs root (runc, CRIU)", file=sys.stderr)
         return 2
@@ -845,7 +849,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--variants: native plus any of {', '.join(VARIANTS[1:])}", file=sys.stderr)
         return 2
     names = a.tests.split(",") if a.tests else (list(QUICK) if a.quick else None)
-    log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)
+    def log(m: str) -> None:
+        print(m, file=sys.stderr, flush=True)
     t0 = time.monotonic()
     try:
         tests, image, tree = prepare(names, log, a.jobs)

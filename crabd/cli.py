@@ -2,7 +2,12 @@
 
 Every command that reports has `--json`; every command that touches state
 takes `--state-dir` (or $CRABD_STATE_DIR). Errors print what went wrong and
-how to fix it, on stderr, and exit 1 (2 for bad usage).
+how to fix it, on stderr, and exit 1 (2 for bad usage). `crabd exec` exits
+as `docker exec` does: the command's own code, 125 when crabd itself failed,
+126 when the command cannot be executed, 127 when it is not found.
+
+Defaults are shown by typer (`show_default=`), never written as
+"[default: ...]" in a help string: Rich reads brackets as markup and drops them.
 
 Image commands work on the state directory; sandbox, exec, checkpoint,
 rollback, fork and event commands go through the daemon's socket
@@ -13,8 +18,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
+from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, List, Optional
 
@@ -23,13 +28,15 @@ from rich.console import Console
 from rich.table import Table
 
 from . import __version__, config
-from .errors import CrabdError
+from .cli_bench import BenchGroup
+from .errors import CommandNotExecutable, CommandNotFound, CrabdError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="crabd: recoverable sandboxes for AI agents (checkpoint, roll back, fork).")
 image_app = typer.Typer(no_args_is_help=True, help="Images: root file systems sandboxes start from.")
 sandbox_app = typer.Typer(no_args_is_help=True, help="Sandboxes: runc containers agents run commands in.")
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (see bench/ and README.md).")
+bench_app = typer.Typer(cls=BenchGroup, no_args_is_help=True,
+                        help="Benchmarks of a source checkout (bench/; `crabd bench NAME --help`).")
 app.add_typer(image_app, name="image")
 app.add_typer(sandbox_app, name="sandbox")
 app.add_typer(bench_app, name="bench")
@@ -37,8 +44,8 @@ app.add_typer(bench_app, name="bench")
 out = Console(width=int(os.environ.get("COLUMNS", "100")))
 err = Console(stderr=True)
 
-StateDir = typer.Option(None, "--state-dir", envvar="CRABD_STATE_DIR",
-                        help="crabd's state directory [default: /var/lib/crabd]")
+StateDir = typer.Option(None, "--state-dir", envvar="CRABD_STATE_DIR", help="crabd's state directory",
+                        show_default=str(config.DEFAULT_STATE_DIR))
 JsonOpt = typer.Option(False, "--json", help="print JSON instead of a table")
 
 
@@ -46,21 +53,40 @@ def _state(state_dir: Optional[Path]) -> Path:
     return state_dir or config.DEFAULT_STATE_DIR
 
 
-def _fail(e: CrabdError, as_json: bool) -> None:
+# `crabd exec`'s exit codes for its own failures, as `docker exec`'s
+EXEC_CRABD_FAILED, EXEC_NOT_EXECUTABLE, EXEC_NOT_FOUND = 125, 126, 127
+
+
+def exec_exit_code(e: CrabdError) -> int:
+    if isinstance(e, CommandNotFound):
+        return EXEC_NOT_FOUND
+    if isinstance(e, CommandNotExecutable):
+        return EXEC_NOT_EXECUTABLE
+    return EXEC_CRABD_FAILED
+
+
+class CaptureChoice(str, Enum):
+    """`crabd serve --capture` (the values of crabd.capture.MODES)."""
+    auto = "auto"
+    fs_only = "fs-only"
+    full = "full"
+
+
+def _fail(e: CrabdError, as_json: bool, code: int = 1) -> None:
     if as_json:
         print(json.dumps({"error": {"code": e.code, "message": e.message, "fix": e.fix}}))
     else:
         err.print(f"[red]error:[/red] {e.message}", highlight=False)
         if e.fix:
             err.print(f"[yellow]fix:[/yellow] {e.fix}", highlight=False)
-    raise typer.Exit(1)
+    raise typer.Exit(code)
 
 
-def _guard(fn: Callable[[], Any], as_json: bool) -> Any:
+def _guard(fn: Callable[[], Any], as_json: bool, exit_code: Callable[[CrabdError], int] = lambda e: 1) -> Any:
     try:
         return fn()
     except CrabdError as e:
-        _fail(e, as_json)
+        _fail(e, as_json, exit_code(e))
     except KeyboardInterrupt:
         err.print("interrupted")
         raise typer.Exit(130)
@@ -103,12 +129,15 @@ def doctor(state_dir: Optional[Path] = StateDir, as_json: bool = JsonOpt) -> Non
 
 
 @app.command()
-def serve(config_file: Optional[Path] = typer.Option(None, "--config", help="TOML settings [default: /etc/crabd/config.toml if it exists]"),
+def serve(config_file: Optional[Path] = typer.Option(None, "--config", help="TOML settings",
+                                                     show_default="/etc/crabd/config.toml if it exists"),
           state_dir: Optional[Path] = StateDir,
-          socket: Optional[Path] = typer.Option(None, "--socket", envvar="CRABD_SOCKET", help="API unix socket [default: /run/crabd/crabd.sock]"),
+          socket: Optional[Path] = typer.Option(None, "--socket", envvar="CRABD_SOCKET", help="API unix socket",
+                                                show_default="/run/crabd/crabd.sock"),
           no_auto_rollback: bool = typer.Option(False, "--no-auto-rollback", help="do not roll back sandboxes that die"),
           no_scheduler: bool = typer.Option(False, "--no-scheduler", help="start every checkpoint at once (benchmark baseline)"),
-          capture: Optional[str] = typer.Option(None, "--capture", help="auto | fs-only | full: what each checkpoint saves [default: auto]"),
+          capture: Optional[CaptureChoice] = typer.Option(None, "--capture", help="what each checkpoint saves",
+                                                          show_default="auto, or the config file's"),
           tcp: Optional[str] = typer.Option(None, "--tcp", help="also serve HOST:PORT over TCP (needs --token-file)"),
           token_file: Optional[Path] = typer.Option(None, "--token-file", help="bearer token for the TCP listener"),
           oracle: Optional[Path] = typer.Option(None, "--oracle", envvar="CRABD_ORACLE",
@@ -121,11 +150,12 @@ def serve(config_file: Optional[Path] = typer.Option(None, "--config", help="TOM
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s crabd %(levelname)s %(message)s")
     def build():  # type: ignore[no-untyped-def]
         path = config_file or Path("/etc/crabd/config.toml")
-        s = load_settings(path, missing_ok=config_file is None)
+        s = load_settings(path, missing_ok=config_file is None).with_env()
         return s.with_overrides(state_dir=state_dir, socket=socket,
                                 auto_rollback=False if no_auto_rollback else None,
                                 tcp_listen=tcp, token_file=token_file.resolve() if token_file else None,
-                                scheduler={"enabled": False} if no_scheduler else None, capture=capture)
+                                scheduler={"enabled": False} if no_scheduler else None,
+                                capture=capture.value if capture else None)
     settings = _guard(build, False)
     if oracle is not None:  # read by crabd.serve into DaemonOptions.oracle_dir
         os.environ["CRABD_ORACLE"] = str(oracle.resolve())
@@ -203,7 +233,8 @@ def image_rm(name: str, state_dir: Optional[Path] = StateDir, as_json: bool = Js
 
 
 # --- sandboxes (through the daemon) -----------------------------------------------------
-SocketOpt = typer.Option(None, "--socket", envvar="CRABD_SOCKET", help="daemon socket [default: /run/crabd/crabd.sock]")
+SocketOpt = typer.Option(None, "--socket", envvar="CRABD_SOCKET", help="daemon socket",
+                         show_default="/run/crabd/crabd.sock")
 checkpoint_app = typer.Typer(no_args_is_help=True, help="Checkpoints: list, inspect, create, delete, diff.")
 app.add_typer(checkpoint_app, name="checkpoint")
 
@@ -272,11 +303,12 @@ def exec_(sandbox: str, cmd: List[str] = typer.Argument(..., help="command and a
           env: List[str] = typer.Option([], "--env", help="K=V, repeatable"),
           shell: bool = typer.Option(False, "--shell", help="run CMD as one /bin/sh -c string"),
           socket: Optional[Path] = SocketOpt, as_json: bool = JsonOpt) -> None:
-    """Run a command in a sandbox (one agent turn); exits with its exit code."""
+    """Run a command in a sandbox (one agent turn); exits with its exit code (125: crabd failed, 126: not
+    executable, 127: not found, as `docker exec`)."""
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if not cmd:
-        err.print("[red]error:[/red] no command given: crabd exec SANDBOX -- CMD [ARGS...]")
+        err.print("[red]error:[/red] no command given: crabd exec SANDBOX -- CMD \\[ARGS...]")
         raise typer.Exit(2)
     envd = {}
     for e in env:
@@ -287,8 +319,14 @@ def exec_(sandbox: str, cmd: List[str] = typer.Argument(..., help="command and a
         envd[k] = v
     stdin = None if sys.stdin is None or sys.stdin.isatty() else sys.stdin.read()
     command: Any = " ".join(cmd) if shell else list(cmd)
-    res = _guard(lambda: _client(socket).exec(sandbox, command, env=envd or None, cwd=cwd, timeout=timeout,
-                                               stdin=stdin), as_json)
+    try:
+        res = _guard(lambda: _client(socket).exec(sandbox, command, env=envd or None, cwd=cwd, timeout=timeout,
+                                                   stdin=stdin), as_json, exit_code=exec_exit_code)
+    except typer.Exit:
+        raise
+    except Exception as e:  # crabd's own failure, whatever it is, is 125: never the command's code
+        err.print(f"[red]error:[/red] {type(e).__name__}: {e}", highlight=False)
+        raise typer.Exit(EXEC_CRABD_FAILED) from None
     if as_json:
         _print_json(res)
     else:
@@ -345,7 +383,8 @@ def checkpoint_diff(a: str, b: str, socket: Optional[Path] = SocketOpt, as_json:
 
 
 @app.command()
-def rollback(sandbox: str, to: Optional[str] = typer.Option(None, "--to", help="checkpoint id or seq [default: latest]"),
+def rollback(sandbox: str, to: Optional[str] = typer.Option(None, "--to", help="checkpoint id or seq",
+                                                           show_default="the latest complete one"),
              socket: Optional[Path] = SocketOpt, as_json: bool = JsonOpt) -> None:
     """Roll a sandbox back to a checkpoint; a new branch starts there."""
     r = _guard(lambda: _client(socket).rollback(sandbox, to), as_json)
@@ -547,110 +586,6 @@ def budget_set(sandbox: str,
     given = {"turns": turns, "wall_s": wall_s, "cost": cost, "retries": retries}
     limits = _guard(lambda: {k: _limit(v, k.replace("_", "-")) for k, v in given.items() if v is not None}, as_json)
     _budget_out(_guard(lambda: _client(socket).set_budget(sandbox, **limits), as_json), as_json)
-
-
-# --- benchmarks ------------------------------------------------------------------------
-def _bench(script: str, args: list[str]) -> None:
-    path = Path(__file__).resolve().parent.parent / "bench" / script
-    if not path.is_file():
-        err.print(f"[red]error:[/red] benchmark {path} not found (benchmarks run from a source checkout)")
-        raise typer.Exit(2)
-    raise typer.Exit(subprocess.call([sys.executable, str(path), *args]))
-
-
-_BENCH_CTX = {"allow_extra_args": True, "ignore_unknown_options": True}
-
-
-@bench_app.command("fs", context_settings=_BENCH_CTX)
-def bench_fs(ctx: typer.Context) -> None:
-    """deltafs commit/rollback/fork latency (bench/fs.py; --quick, --json)."""
-    _bench("fs.py", ctx.args)
-
-
-@bench_app.command("inspector", context_settings=_BENCH_CTX)
-def bench_inspector(ctx: typer.Context) -> None:
-    """eBPF inspector overhead and accuracy (bench/inspector.py; --quick, --json)."""
-    _bench("inspector.py", ctx.args)
-
-
-@bench_app.command("cr", context_settings=_BENCH_CTX)
-def bench_cr(ctx: typer.Context) -> None:
-    """CRIU dump / restore / hot-standby promote latency and image bytes (bench/cr.py; --quick, --json)."""
-    _bench("cr.py", ctx.args)
-
-
-@bench_app.command("recovery", context_settings=_BENCH_CTX)
-def bench_recovery(ctx: typer.Context) -> None:
-    """Recovery correctness and cost per method and fault on agent traces (bench/recovery.py; --quick, --methods,
-    --faults, --scale, --json, --out)."""
-    _bench("recovery.py", ctx.args)
-
-
-@bench_app.command("swebench", context_settings=_BENCH_CTX)
-def bench_swebench(ctx: typer.Context) -> None:
-    """Convert SWE-bench instances and SWE-agent .traj files into traces (bench/swebench.py; --instances, --repos, --out)."""
-    _bench("swebench.py", ctx.args)
-
-
-@bench_app.command("seals", context_settings=_BENCH_CTX)
-def bench_seals(ctx: typer.Context) -> None:
-    """Cost of tamper detection: seal at commit, verify before rollback/fork, per driver (bench/seals.py; --quick, --json)."""
-    _bench("seals.py", ctx.args)
-
-
-@bench_app.command("check-traces", context_settings=_BENCH_CTX)
-def bench_check_traces(ctx: typer.Context) -> None:
-    """Prove traces pass fault-free, are deterministic and need recovery (bench/check_traces.py; --only, --json, --out)."""
-    _bench("check_traces.py", ctx.args)
-
-
-@bench_app.command("chaos", context_settings=_BENCH_CTX)
-def bench_chaos(ctx: typer.Context) -> None:
-    """kill -9 crabd inside commit, CRIU dump, compaction, rollback, fork; check nothing lost or leaked (bench/chaos.py; --quick, --json, --seed, --runs)."""
-    _bench("chaos.py", ctx.args)
-
-
-@bench_app.command("langgraph", context_settings=_BENCH_CTX)
-def bench_langgraph(ctx: typer.Context) -> None:
-    """CrabdCheckpointSaver per-step overhead, time travel, fork_thread (bench/saver.py; --steps, --runs, --quick, --json)."""
-    _bench("saver.py", ctx.args)
-
-
-@bench_app.command("hostile", context_settings=_BENCH_CTX)
-def bench_hostile(ctx: typer.Context) -> None:
-    """Hostile sandboxes: host canary, odd files, fork bomb, full disk (bench/hostile.py; --quick, --json)."""
-    _bench("hostile.py", ctx.args)
-
-
-@bench_app.command("load", context_settings=_BENCH_CTX)
-def bench_load(ctx: typer.Context) -> None:
-    """N sandboxes x M turns: exec overhead p50/p99, daemon RSS, consistency (bench/load.py; --quick, --json)."""
-    _bench("load.py", ctx.args)
-
-
-@bench_app.command("stall", context_settings=_BENCH_CTX)
-def bench_stall(ctx: typer.Context) -> None:
-    """Stall, checkpoint latency and end-to-end overhead at 1..N sandboxes, scheduler on/off vs bare runc (bench/stall.py; --sandboxes, --turns, --json)."""
-    _bench("stall.py", ctx.args)
-
-
-@bench_app.command("effects", context_settings=_BENCH_CTX)
-def bench_effects(ctx: typer.Context) -> None:
-    """Effects ledger: duplicate external effects under crash + rollback, with and without it (bench/effects.py; --quick, --json)."""
-    _bench("effects.py", ctx.args)
-
-
-@bench_app.command("oracle", context_settings=_BENCH_CTX)
-def bench_oracle(ctx: typer.Context) -> None:
-    """Differential oracle: adversarial seeded sessions, every checkpoint compared with the ground truth at its
-    turn (bench/oracle.py; --quick, --turns, --seed, --json)."""
-    _bench("oracle.py", ctx.args)
-
-
-@bench_app.command("zdtm", context_settings=_BENCH_CTX)
-def bench_zdtm(ctx: typer.Context) -> None:
-    """CRIU's zdtm static tests through crabd: native, dump, recovery, rollback, fork (bench/zdtm.py; --quick, --tests, --json)."""
-    _bench("zdtm.py", ctx.args)
 
 
 def main() -> None:

@@ -21,17 +21,11 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Sequence
 import httpx
 
 from . import errors as E
-from .effects import BudgetExceeded
 
 __all__ = ["Client", "AsyncClient", "DEFAULT_SOCKET", "default_socket"]
 
 DEFAULT_SOCKET = "/run/crabd/crabd.sock"
-_BY_CODE: dict[str, type[E.CrabdError]] = {
-    "not_found": E.NotFound, "already_exists": E.AlreadyExists, "failed_precondition": E.FailedPrecondition,
-    "sandbox_not_running": E.SandboxNotRunning, "invalid_argument": E.InvalidArgument,
-    "exec_error": E.ExecError, "command_not_found": E.CommandNotFound,
-    "budget_exceeded": BudgetExceeded,
-}
+_BY_CODE = E.by_code()
 
 
 def default_socket() -> str:
@@ -49,7 +43,12 @@ def _raise(resp: httpx.Response) -> Any:
     if code == "exec_timeout":
         raise E.ExecTimeout(msg, stdout=err.get("stdout", ""), stderr=err.get("stderr", ""))
     cls = _BY_CODE.get(code, E.CrabdError)
-    e = cls(msg, fix=fix)
+    # The class's own constructor may want more than the wire carries
+    # (CommandFailed's argv): the base sets message and fix, the rest stays empty.
+    e = cls.__new__(cls)
+    E.CrabdError.__init__(e, msg, fix=fix)
+    if isinstance(e, E.CommandFailed):
+        e.argv, e.returncode, e.stderr = [], -1, ""
     e.code = code or e.code
     raise e
 

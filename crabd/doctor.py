@@ -158,22 +158,17 @@ def check_unified(state_dir: Path) -> Check:
 
 
 def check_criu(state_dir: Path) -> Check:
-    exe = shutil.which("criu")
-    if exe is None:
-        return Check("criu", FAIL, "criu not found", "run scripts/setup-host (installs CRIU >= 4)")
-    r = _run(["criu", "--version"])
-    m = re.search(r"Version:\s*(\d+)\.(\d+)(?:\.(\d+))?", r.stdout)
-    if not m:
-        return Check("criu", FAIL, f"cannot read CRIU's version: {r.stdout.strip()} {r.stderr.strip()}", "run scripts/setup-host")
-    ver = m.group(0).split()[-1]
-    if int(m.group(1)) < 4:
-        return Check("criu", FAIL, f"CRIU {ver} at {exe} is too old (need >= 4)", "run scripts/setup-host (private CRIU 4 from Debian 13)")
-    c = _run(["criu", "check"], timeout=60)
-    if c.returncode != 0:
-        errs = [ln for ln in (c.stderr + c.stdout).splitlines() if ln.startswith("Error") and "RLIMIT_NOFILE" not in ln]
-        return Check("criu", FAIL, f"CRIU {ver}: criu check fails: {'; '.join(errs[:2]) or c.stderr.strip()[-200:]}",
-                     "run scripts/setup-host; see 'criu check'")
-    return Check("criu", OK, f"CRIU {ver} ({exe}); criu check passes")
+    """deltacr's own CRIU check (version, `criu check`), the one the daemon's
+    first dump runs, cached per process: doctor and the daemon cannot
+    disagree about what CRIU needs."""
+    from deltacr import CriuUnavailable, check_criu as criu_info
+    from deltacr.runc import SubprocessCommandRunner
+    try:
+        info = criu_info(SubprocessCommandRunner())
+    except CriuUnavailable as e:
+        return Check("criu", FAIL, e.message, e.fix or "run scripts/setup-host (installs CRIU >= 4)")
+    exe = shutil.which(info.binary) or info.binary
+    return Check("criu", OK, f"CRIU {'.'.join(map(str, info.version))} ({exe}); criu check passes")
 
 
 def check_criu_stopped_tasks(state_dir: Path) -> Check:

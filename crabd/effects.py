@@ -49,6 +49,7 @@ rows of the same database: rollbacks, forks and restarts do not reset them.
 from __future__ import annotations
 
 import hashlib
+import builtins
 import json
 import math
 import re
@@ -58,7 +59,7 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from .errors import FailedPrecondition, InvalidArgument, NotFound
+from .errors import BudgetExceeded, FailedPrecondition, InvalidArgument, IntegrityError, NotFound
 
 __all__ = [
     "BudgetExceeded", "Ledger", "Prior", "Decision", "POLICIES", "STATES", "VOLATILE_NAMES",
@@ -76,12 +77,6 @@ VOLATILE_NAMES = frozenset({
     "nonce", "timestamp", "ts", "created_at", "updated_at", "sent_at", "requested_at",
 })
 VOLATILE_SUFFIXES = ("_uuid", "_guid", "_nonce", "_request_id", "_trace_id", "_timestamp")
-
-
-class BudgetExceeded(FailedPrecondition):
-    """A lineage's budget (turns, wall time, cost, retries) is used up."""
-
-    code = "budget_exceeded"
 
 
 # --- fingerprints (pure) ------------------------------------------------------------------
@@ -306,7 +301,6 @@ class Ledger:
         d = {k: r[k] for k in _EFFECT_COLS}
         if not r["digest"] or not secrets.compare_digest(r["digest"], self._sign_effect(d)):
             # Re-signing it would launder the change.
-            from .store import IntegrityError
             raise IntegrityError(f"effect {eid}'s ledger row does not match its digest: not changing it",
                                  fix="it was modified outside crabd; inspect it with crabd effects ls --json")
         d.update(fields, updated_at=time.time())
@@ -357,7 +351,6 @@ class Ledger:
             if d.match is not None:
                 m = self._row(next(r for r in rows if r["id"] == d.match.id))
                 if not m["verified"] and d.action in ("replay", "ask", "reconcile"):
-                    from .store import IntegrityError
                     raise IntegrityError(f"effect {m['id']}'s ledger row does not match its digest",
                                          fix="it was modified outside crabd; inspect it with crabd effects ls")
                 out["match"] = m
@@ -411,7 +404,7 @@ class Ledger:
             return self._update(eid, **fields)
 
     def record_unmanaged(self, sb: Any, *, turn: int, checkpoint: str | None, reasons: Sequence[str],
-                         unknown: bool) -> list[dict[str, Any]]:
+                         unknown: bool) -> builtins.list[dict[str, Any]]:
         """Effects the inspector saw on its own during a turn (outbound
         connections, network tools): recorded, never matched or replayed."""
         now = time.time()
@@ -432,11 +425,10 @@ class Ledger:
                 made.append(row["id"])
         return made
 
-    def mark_in_flight_unknown(self) -> list[tuple[str, str | None]]:
+    def mark_in_flight_unknown(self) -> builtins.list[tuple[str, str | None]]:
         """At daemon start: intents a previous crabd left open may or may not
         have happened: they are `unknown` until reconciled. Returns (effect,
         sandbox) pairs."""
-        from .store import IntegrityError
         done = []
         with self.store.transaction():
             rows = self.store._db.execute("SELECT id, sandbox_id FROM effects WHERE state='intent'").fetchall()
@@ -490,7 +482,6 @@ class Ledger:
             return d
         d = {k: r[k] for k in _BUDGET_COLS}
         if not r["digest"] or not secrets.compare_digest(r["digest"], self.store.sign(d)):
-            from .store import IntegrityError
             raise IntegrityError(f"the budget of lineage {lineage} does not match its digest",
                                  fix="it was modified outside crabd; set it again: crabd budget set")
         d["used_wall_s"] += self._unsaved_wall.get(lineage, 0.0)

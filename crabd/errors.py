@@ -5,19 +5,32 @@
     ├── AlreadyExists              a name that is taken                      (409)
     ├── FailedPrecondition         valid request, wrong state: image in use,
     │   │                          sandbox not running, host not prepared   (409)
-    │   └── SandboxNotRunning      the sandbox's init is gone
+    │   ├── SandboxNotRunning      the sandbox's init is gone
+    │   ├── BudgetExceeded         a lineage's budget (turns, time, cost,
+    │                              retries) is used up
+    │   └── JobCancelled           a queued checkpoint job was dropped (its
+    │                              sandbox rolled back) before it ran
     ├── InvalidArgument            malformed input: bad name, bad path       (422)
+    │   └── SettingsError          the config file or an override is invalid
+    ├── IntegrityError             stored metadata does not match its digest (500)
     ├── ExecError                  a command inside a sandbox could not run
     │   ├── CommandNotFound        argv[0] does not exist in the sandbox     (422)
+    │   ├── CommandNotExecutable   argv[0] exists but cannot be executed     (422)
     │   └── ExecTimeout            the command outlived its timeout          (408)
     └── CommandFailed              an external tool (runc, debootstrap, ...)
                                    failed; carries argv and its stderr       (500)
 
 Foreign exceptions (subprocess, sqlite3, docker, OSError from the kernel) are
 converted where they enter crabd, with the context of what crabd was doing.
+Every class here has its own `code`; the client maps a code back to its class
+(`by_code`), so a caller catches the daemon's errors by type.
+deltafs, deltacr and ebpf are libraries that never import crabd and keep
+their own error modules (deltacr.CommandFailed included).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 __all__ = [
     "CrabdError",
@@ -25,11 +38,17 @@ __all__ = [
     "AlreadyExists",
     "FailedPrecondition",
     "SandboxNotRunning",
+    "BudgetExceeded",
+    "JobCancelled",
     "InvalidArgument",
+    "SettingsError",
+    "IntegrityError",
     "ExecError",
     "CommandNotFound",
+    "CommandNotExecutable",
     "ExecTimeout",
     "CommandFailed",
+    "by_code",
 ]
 
 
@@ -64,9 +83,39 @@ class SandboxNotRunning(FailedPrecondition):
     code = "sandbox_not_running"
 
 
+class BudgetExceeded(FailedPrecondition):
+    """A lineage's budget (turns, wall time, cost, retries) is used up."""
+
+    code = "budget_exceeded"
+
+
+class JobCancelled(FailedPrecondition):
+    """A queued job was removed before it ran (e.g. its sandbox was rolled back)."""
+
+    code = "job_cancelled"
+
+
 class InvalidArgument(CrabdError):
     code = "invalid_argument"
     http_status = 422
+
+
+class SettingsError(InvalidArgument):
+    """The configuration file (or an override) is unreadable or invalid."""
+
+    code = "invalid_config"
+
+    def __init__(self, message: str, *, path: Path | None = None, field: str | None = None, fix: str | None = None) -> None:
+        self.path = path
+        self.field = field
+        super().__init__(message, fix=fix)
+
+
+class IntegrityError(CrabdError):
+    """Stored metadata does not match its digest: it was changed behind crabd's back."""
+
+    code = "integrity_error"
+    http_status = 500
 
 
 class ExecError(CrabdError):
@@ -76,6 +125,10 @@ class ExecError(CrabdError):
 
 class CommandNotFound(ExecError):
     code = "command_not_found"
+
+
+class CommandNotExecutable(ExecError):
+    code = "command_not_executable"
 
 
 class ExecTimeout(ExecError):
@@ -100,3 +153,15 @@ class CommandFailed(CrabdError):
         tail = stderr.strip().splitlines()[-5:]
         what = context or " ".join(argv[:3])
         super().__init__(f"{what} failed (exit {returncode}): {' | '.join(tail) or 'no stderr'}", fix=fix)
+
+
+def by_code() -> dict[str, type[CrabdError]]:
+    """Each error class by its API `code` (the client raises the class the
+    daemon raised). Derived from the classes, so a new class is mapped."""
+    out: dict[str, type[CrabdError]] = {}
+    todo: list[type[CrabdError]] = [CrabdError]
+    while todo:
+        cls = todo.pop(0)
+        out.setdefault(cls.code, cls)
+        todo += cls.__subclasses__()
+    return out

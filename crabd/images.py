@@ -19,6 +19,7 @@ debootstrap build of Debian.
 from __future__ import annotations
 
 import json
+import builtins
 import os
 import re
 import shutil
@@ -213,7 +214,7 @@ class ImageStore:
         os.rename(d, trash)
         _rmtree(trash)
 
-    def gc(self) -> list[str]:
+    def gc(self) -> builtins.list[str]:
         """Remove leftovers of interrupted imports and removals."""
         gone = []
         if self.root.is_dir():
@@ -225,7 +226,7 @@ class ImageStore:
 
     # --- internals ---------------------------------------------------------------
     def _build(self, name: str, source: str, fill: Callable[[Path], None],
-               progress: Callable[[str], None] | None, *, env: list[str] | None = None,
+               progress: Callable[[str], None] | None, *, env: builtins.list[str] | None = None,
                workdir: str = "/") -> Image:
         validate_name(name)
         if self.exists(name):

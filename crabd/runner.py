@@ -215,9 +215,9 @@ class SubprocessRunner:
         for key in list(sel.get_map().values()):
             sel.unregister(key.fileobj)
         sel.close()
-        for f in (p.stdin, p.stdout, p.stderr):
-            if f is not None and not f.closed:
-                f.close()
+        for stream in (p.stdin, p.stdout, p.stderr):
+            if stream is not None and not stream.closed:
+                stream.close()
         rc = p.wait()
         line = bytes(status).split(b"\n", 1)[0].decode(errors="replace") if b"\n" in status else None
         return output.captured(None if timed_out else rc, time.monotonic() - start, timed_out, line)

@@ -53,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import enum
+import functools
 import itertools
 import logging
 import math
@@ -60,7 +61,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Sequence, TypeVar
 
-from .errors import FailedPrecondition
+from .errors import FailedPrecondition, JobCancelled
 
 if TYPE_CHECKING:
     from .metrics import Metrics
@@ -144,12 +145,6 @@ class Job:
     def fifo_key(self) -> tuple[float, int, int]:
         """Background order: oldest first, then smallest."""
         return (self.created_at, self.size_bytes, self.id)
-
-
-class JobCancelled(FailedPrecondition):
-    """A queued job was removed before it ran (e.g. its sandbox was rolled back)."""
-
-    code = "job_cancelled"
 
 
 class SchedulerPolicy:
@@ -289,9 +284,9 @@ class SchedulerPolicy:
         whenever a job is submitted or finishes (and at `next_wakeup`).
         """
         if not self.enabled:
-            started = sorted(self._queue.values(), key=Job.fifo_key)
+            fifo = sorted(self._queue.values(), key=Job.fifo_key)
             self._queue.clear()
-            return started
+            return fifo
 
         started: list[Job] = []
         slots = self.max_concurrency - len(running)
@@ -414,7 +409,7 @@ class Scheduler:
         entry = _Entry(job, coro_factory, fut, self.clock())
         self.policy.submit(job)
         self._entries[job.id] = entry
-        fut.add_done_callback(lambda f, jid=job.id: self._on_future_done(jid, f))
+        fut.add_done_callback(functools.partial(self._on_future_done, job.id))
         self._pump()
         return fut
 

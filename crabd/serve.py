@@ -102,10 +102,10 @@ async def serve(settings: Settings) -> None:
                          pool_size=int(settings.snapshot.pool_size_gib * 2**30),
                          scheduler=settings.scheduler.policy(), keep_last=settings.retention.keep_last,
                          keep_every=settings.retention.keep_every, capture=settings.capture,
-                         oracle_dir=os.environ.get("CRABD_ORACLE") or None)
-    # CRABD_INSPECTOR=proc: the /proc inspector instead of compiling the BPF
-    # one (seconds of clang at start); tests of the API layer use it.
-    opts.use_bpf = os.environ.get("CRABD_INSPECTOR", "bpf") != "proc"
+                         oracle_dir=os.environ.get("CRABD_ORACLE") or None)   # a bench hook, not a setting
+    # inspector = "proc" ($CRABD_INSPECTOR): the /proc inspector instead of
+    # compiling the BPF one (seconds of clang at start); API-layer tests use it.
+    opts.use_bpf = settings.inspector != "proc"
     # A bad tokens file stops the daemon before it touches any state.
     tokens = load_tokens(settings.tokens_file) if settings.tokens_file is not None else None
     sdnotify.status("starting: loading state")
@@ -129,7 +129,7 @@ async def serve(settings: Settings) -> None:
         tcp.setblocking(False)
         sockets.append(tcp)
     app = make_app(daemon, token=token, tokens=tokens)
-    config = uvicorn.Config(app, log_level=os.environ.get("CRABD_LOG_LEVEL", "warning"), lifespan="off",
+    config = uvicorn.Config(app, log_level=settings.log_level, lifespan="off",
                             timeout_keep_alive=30)
     server = uvicorn.Server(config)
     deaths = asyncio.create_task(daemon.watch_deaths())

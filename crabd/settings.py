@@ -3,9 +3,19 @@
 `crabd serve --config FILE` loads a `Settings` from TOML (see
 systemd/config.toml.sample for every key with its default). Precedence, from
 weakest: built-in defaults < the file < environment < command line. This
-module does the first two; the caller applies the others with
+module does the first three (`load_settings`, then `Settings.with_env`:
+each top-level key KEY from $CRABD_KEY, e.g. CRABD_STATE_DIR,
+CRABD_LOG_LEVEL, CRABD_INSPECTOR); the caller applies the flags with
 `Settings.with_overrides`, which validates again, so an override is held to
 the same rules as the file.
+
+Not settings, and read from the environment where they are used: the host
+layout of scripts/setup-host that library code needs without a daemon
+(CRABD_PREFIX, CRABD_INIT, CRABD_RUNC, CRABD_CRIU, and CRABD_STATE_DIR as the
+library's default state dir: crabd.config), the
+client's CRABD_SOCKET, and test or benchmark hooks that must never be set in
+a config file by mistake (CRABD_CHAOS*, CRABD_OVERLAY_MAX_DEPTH,
+CRABD_ORACLE, CRABD_PYTHON, CRABD_VERBOSE, CRABD_BENCH_CACHE).
 
 Startup fails fast on a bad file (STYLE.md): an unknown key is an error that
 names the key (a typo such as `keep_lst` must not silently keep the default),
@@ -15,13 +25,14 @@ and a bad value names the field, the value and the file.
 from __future__ import annotations
 
 import ipaddress
+import os
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import InvalidArgument
+from .errors import SettingsError
 from .scheduler import DEFAULT_IO_BUDGET, DEFAULT_LLM_WAIT, SchedulerPolicy
 
 __all__ = [
@@ -35,17 +46,6 @@ __all__ = [
 ]
 
 DEFAULT_CONFIG = Path("/etc/crabd/config.toml")
-
-
-class SettingsError(InvalidArgument):
-    """The configuration file (or an override) is unreadable or invalid."""
-
-    code = "invalid_config"
-
-    def __init__(self, message: str, *, path: Path | None = None, field: str | None = None, fix: str | None = None) -> None:
-        self.path = path
-        self.field = field
-        super().__init__(message, fix=fix)
 
 
 class _Section(BaseModel):
@@ -107,6 +107,11 @@ class Settings(_Section):
     capture: Literal["auto", "fs-only", "full"] = Field(
         "auto", description="auto: the classifier's plan; fs-only: never dump processes; "
                             "full: CRIU dump + tar of changed files every turn (baseline)")
+    inspector: Literal["bpf", "proc"] = Field(
+        "bpf", description="the turn inspector: bpf (eBPF tracepoints, compiled at start) or proc "
+                           "(/proc scans: no BPF, coarser plans; API-level tests use it)")
+    log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
+        "warning", description="the API server's (uvicorn's) log level")
     retention: RetentionSettings = RetentionSettings()
     scheduler: SchedulerSettings = SchedulerSettings()
     snapshot: SnapshotSettings = SnapshotSettings()
@@ -161,6 +166,18 @@ class Settings(_Section):
         host, _, port = self.tcp_listen.rpartition(":")
         return host.strip("[]"), int(port)
 
+    def with_env(self, environ: Mapping[str, str] | None = None) -> "Settings":
+        """A copy with each top-level key KEY taken from $CRABD_KEY where set
+        (sections are file-only)."""
+        env = os.environ if environ is None else environ
+        found = {k: env[ENV_PREFIX + k.upper()] for k, f in type(self).model_fields.items()
+                 if not _is_section(f.annotation) and env.get(ENV_PREFIX + k.upper())}
+        try:
+            return self.with_overrides(**found)
+        except SettingsError as e:
+            raise SettingsError(f"environment ({', '.join(ENV_PREFIX + k.upper() for k in found)}): {e.message}",
+                                field=e.field, fix="fix or unset the variable") from None
+
     def with_overrides(self, **overrides: Any) -> "Settings":
         """A copy with top-level keys replaced (env/CLI), validated like the file.
 
@@ -182,6 +199,13 @@ class Settings(_Section):
             return Settings.model_validate(data)
         except ValidationError as e:
             raise _convert(e, None) from None
+
+
+ENV_PREFIX = "CRABD_"
+
+
+def _is_section(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
 
 
 def load_settings(path: Path | str | None = None, *, missing_ok: bool = False) -> Settings:

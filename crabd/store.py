@@ -37,7 +37,7 @@ from typing import Any, Iterator
 
 import blake3
 
-from .errors import CrabdError, FailedPrecondition, NotFound
+from .errors import FailedPrecondition, IntegrityError, NotFound
 
 __all__ = ["Store", "SandboxRow", "CheckpointRow", "Event", "SCHEMA_VERSION", "IntegrityError", "EVENTS_MAX_PAGE"]
 
@@ -143,13 +143,6 @@ MIGRATIONS: list[str] = [
     """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
-
-
-class IntegrityError(CrabdError):
-    """Stored metadata does not match its digest: it was changed behind crabd's back."""
-
-    code = "integrity_error"
-    http_status = 500
 
 
 @dataclass

@@ -16,18 +16,21 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .errors import CommandFailed, FailedPrecondition
 from .runner import Captured, Completed
 
 if TYPE_CHECKING:
     from .client import Client
+    from .runtime import Runtime
 
-__all__ = ["FakeRunner", "DaemonHandle", "busybox_rootfs", "cleanup_state_dir", "wait_until"]
+__all__ = ["FakeRunner", "DaemonHandle", "busybox_rootfs", "cleanup_state_dir", "ensure_busybox_image",
+           "settled_checkpoints", "settled_checkpoint", "all_settled", "wait_until"]
 
 CRABD = str(Path(sys.executable).parent / "crabd")
 
@@ -169,14 +172,48 @@ def wait_until(pred: Callable[[], object], what: str, timeout: float = 120, inte
         time.sleep(interval)
 
 
-def busybox_rootfs(dst: Path) -> Path:
+def settled_checkpoints(c: "Client", sid: str, timeout: float = 240, *, all: bool = True,
+                        interval: float = 0.1) -> list[dict[str, Any]]:
+    """Wait until no checkpoint of sandbox `sid` is pending (each committed or
+    failed: its capture is over) and return them (`all`: retired ones too).
+    The one "wait until the checkpoints settle" of the tests and benches; a
+    hang guard like `wait_until` (AssertionError after `timeout` s)."""
+    def settled() -> list[dict[str, Any]] | None:
+        cks = c.checkpoints(sid, all=all)
+        return cks if all_settled(cks) else None
+    return wait_until(settled, f"settled checkpoints of {sid}", timeout, interval)  # type: ignore[return-value]
+
+
+def settled_checkpoint(c: "Client", cid: str, timeout: float = 120, interval: float = 0.2) -> dict[str, Any]:
+    """Checkpoint `cid` once it is no longer pending (a hang guard like `wait_until`)."""
+    def settled() -> dict[str, Any] | None:
+        ck = c.checkpoint(cid)
+        return ck if ck["state"] != "pending" else None
+    return wait_until(settled, f"settled checkpoint {cid}", timeout, interval)  # type: ignore[return-value]
+
+
+def all_settled(cks: list[dict[str, Any]]) -> bool:
+    return not any(k["state"] == "pending" for k in cks)
+
+
+def ensure_busybox_image(runtime: "Runtime", name: str = "busybox", extra_dirs: tuple[str, ...] = ()) -> str:
+    """Image `name` in `runtime`'s store: a busybox root (`busybox_rootfs`),
+    imported the first time; returns the name."""
+    if runtime.images.exists(name):
+        return name
+    with tempfile.TemporaryDirectory(prefix="crabd-bb-", dir=str(runtime.state_dir)) as tmp:
+        runtime.images.import_path(str(busybox_rootfs(Path(tmp) / "rootfs", extra_dirs)), name)
+    return name
+
+
+def busybox_rootfs(dst: Path, extra_dirs: tuple[str, ...] = ()) -> Path:
     """Fill `dst` with a minimal image root: static busybox and its applet
-    links, nothing else (the tests' and benches' busybox image)."""
+    links, nothing else but `extra_dirs` (the tests' and benches' busybox image)."""
     busybox = Path("/bin/busybox")
     if not busybox.exists():
         raise FailedPrecondition("/bin/busybox is missing", fix="run scripts/setup-host (it installs busybox-static)")
     dst = Path(dst)
-    for d in ("bin", "tmp", "etc", "root"):
+    for d in ("bin", "tmp", "etc", "root", *extra_dirs):
         (dst / d).mkdir(parents=True, exist_ok=True)
     shutil.copy2(busybox, dst / "bin" / "busybox")
     applets = subprocess.run([str(busybox), "--list"], capture_output=True, text=True, check=True,

@@ -37,7 +37,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import blake3
 import zstandard
@@ -271,7 +271,7 @@ class ImageStore:
 
     # writes
     def put(self, checkpoint_id: str, image_dir: str | os.PathLike[str], *, meta: dict | None = None,  # type: ignore[type-arg]
-            logs: list[str | os.PathLike[str]] = ()) -> Manifest:  # type: ignore[assignment]
+            logs: Sequence[str | os.PathLike[str]] = ()) -> Manifest:
         """Store the image in `image_dir` as `checkpoint_id`; copy `logs` next to it."""
         _check_id(checkpoint_id)
         image_dir = Path(image_dir)

@@ -154,7 +154,7 @@ def visible(layers: list[dict[bytes, LayerEntry]]) -> dict[bytes, int]:
     out: dict[bytes, int] = {}
     # Root merges every layer that has a root entry (all of them in practice).
     merged_dirs: dict[bytes, list[int]] = {}
-    root_layers = [i for i, l in enumerate(layers) if b"" in l]
+    root_layers = [i for i, layer in enumerate(layers) if b"" in layer]
     stop = []
     for i in root_layers:
         stop.append(i)
@@ -164,7 +164,7 @@ def visible(layers: list[dict[bytes, LayerEntry]]) -> dict[bytes, int]:
         return out
     out[b""] = stop[0]
     merged_dirs[b""] = stop
-    all_paths = sorted({p for l in layers for p in l if p})
+    all_paths = sorted({p for layer in layers for p in layer if p})
     for path in all_paths:
         parent = _parent(path)
         if parent not in merged_dirs:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
+from types import EllipsisType
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -144,7 +145,7 @@ class Metadata:
             raise AlreadyExists(f"snapshot {name!r} already exists") from e
         return self.by_id(int(cur.lastrowid or 0))
 
-    def update(self, id: int, *, parent: int | None | type = ..., extra: dict[str, Any] | None = None) -> None:
+    def update(self, id: int, *, parent: int | None | EllipsisType = ..., extra: dict[str, Any] | None = None) -> None:
         if parent is not ...:
             self.db.execute("UPDATE snapshots SET parent=? WHERE id=?", (parent, id))
         if extra is not None:

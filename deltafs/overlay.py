@@ -124,9 +124,11 @@ def plan_capture(prev: dict[str, Node] | None, cur: dict[str, Node], rel: str = 
     return out
 
 
-def _is_opaque(dir_fd: int, name: str) -> bool:
+def _is_opaque(dir_fd: int, name: str | bytes) -> bool:
+    # bytes names (walk_fd) are joined as bytes: an f-string would read "b'd'"
+    path = os.fsencode(f"/proc/self/fd/{dir_fd}/") + os.fsencode(name)
     try:
-        return os.getxattr(f"/proc/self/fd/{dir_fd}/{name}", OPAQUE, follow_symlinks=False) == b"y"
+        return os.getxattr(path, OPAQUE, follow_symlinks=False) == b"y"
     except OSError:
         return False
 
@@ -482,11 +484,11 @@ class OverlaySnapshotter(Snapshotter):
                 if str(mid) not in live_merges:
                     self.meta.delete_merge(mid)
         for name in os.listdir(self._abs("a")):
-            r = active.get(name)
-            if r is None:
+            act = active.get(name)
+            if act is None:
                 rm(self._abs(f"a/{name}"))
                 continue
-            keep = f"manifest.{r.extra.get('manifest')}"
+            keep = f"manifest.{act.extra.get('manifest')}"
             for f in os.listdir(self._abs(f"a/{name}")):
                 if f.startswith("manifest.") and f != keep:
                     rm(self._abs(f"a/{name}/{f}"))
@@ -582,6 +584,13 @@ class OverlaySnapshotter(Snapshotter):
         try:
             listings = [self._layer_listing(fd) for fd in fds]
             plan = merge_plan(listings)
+            # A whiteout whose path no layer below the run has hides nothing,
+            # and must go: overlayfs filters whiteouts only in dirs merged
+            # from several layers, so in a dir the merged layer alone has it
+            # would show as a 0/0 character device (a deleted file back).
+            below = [os.fsencode(self._abs(c)) for c in chain[k:]]
+            plan = {p: v for p, v in plan.items() if listings[v[0]][p].kind != "whiteout"
+                    or any(os.path.lexists(os.path.join(d, p)) for d in below)}
             copier = Copier(lfd)
             copy_root_meta(fds[0], lfd)
             dirs = []

@@ -114,7 +114,7 @@ class HostProcessTable:
                         " ".join(sorted(pending) + [f"shared:{shared}"]))
 
     def blocked_calls(self, pid: int) -> dict[int, int]:
-        out = {}
+        out: dict[int, int] = {}
         try:
             tids = os.listdir(f"/proc/{pid}/task")
         except OSError:

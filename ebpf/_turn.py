@@ -376,11 +376,11 @@ class TurnRecorder:
         new = [rec(i) for p, i in sorted(after.items()) if p not in before or before[p].start != i.start]
         exited = [rec(i) for p, i in sorted(before.items()) if p not in after or after[p].start != i.start]
         active = []
-        for p, i in sorted(after.items()):
-            b = before.get(p)
+        for pid, i in sorted(after.items()):
+            b = before.get(pid)
             if b is None or b.start != i.start or i.comm in stateless:
                 continue
-            if p in self.active_pids or i.ran_since(b):
+            if pid in self.active_pids or i.ran_since(b):
                 active.append(rec(i))
         listening = [
             SocketRecord(pid=pid, address=self._bound.get((pid, fd), "?"), alive=pid in after)

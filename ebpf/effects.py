@@ -25,7 +25,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Literal[1] = 1
 MAX_SAMPLES = 16
 
 Source = Literal["bpf-cgroup", "bpf-pids", "proc", "loading"]

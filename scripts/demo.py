@@ -7,7 +7,7 @@ in-memory counter no file holds) is played three times:
 
 1. fault-free on the bare runtime (no daemon, no checkpoints): the reference.
    Its checks and the digest of its state paths are what a correct recovery
-   must reach (the benchmark's rule: bench/recovery.py `Bench.correct`);
+   must reach (the benchmark's rule: bench/recovery_runs.py `Bench.correct`);
 2. through a crabd daemon (real BPF inspector, `--capture auto`), turns shown
    live. In the middle of a turn in the second half, every process of the
    sandbox is killed (kill -9, as an OOM kill or crash does: the server too).
@@ -50,8 +50,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))   # run by path (`make demo`): the checkout's crabd and bench packages
 
 from rich import box  # noqa: E402
 from rich.console import Console  # noqa: E402
@@ -62,8 +61,8 @@ from crabd.runtime import Runtime  # noqa: E402
 from crabd.testing import DaemonHandle  # noqa: E402
 from crabd.traces import STATE_DIGEST, Trace, load_trace  # noqa: E402
 
-import inputs  # noqa: E402  (bench/inputs.py: trace images, PyPI inputs, the task's prelude)
-from recovery import DIGEST_SH, Bench, last_seq  # noqa: E402  (the benchmark's digest and correctness rule)
+from bench import inputs  # noqa: E402  (bench/inputs.py: trace images, PyPI inputs, the task's prelude)
+from bench.recovery_runs import DIGEST_SH, Bench, last_seq  # noqa: E402  (the benchmark's digest and correctness rule)
 
 STATE = Path(os.environ.get("CRABD_DEMO_STATE", "/var/lib/crabd-demo"))
 TRACE = Path(os.environ.get("CRABD_DEMO_TRACE", str(ROOT / "bench" / "traces" / "dev-server.json")))
@@ -212,7 +211,7 @@ def prelude(t: Trace, run: Run) -> list[dict[str, Any]]:
 
 
 def verdict(t: Trace, run: Run, out: Outcome, ref: Outcome | None) -> None:
-    """Checks and state digest exactly as the benchmark takes them (bench/recovery.py verdict)."""
+    """Checks and state digest exactly as the benchmark takes them (bench/recovery_runs.py verdict)."""
     for ch in t.check:
         try:
             r = run(ch.run)

@@ -51,6 +51,7 @@ an old recorded checkpoint, and time travel to it then fails with the fix.
 
 from __future__ import annotations
 
+import builtins
 import asyncio
 import copy
 import logging
@@ -430,7 +431,7 @@ class CrabdCheckpointSaver(BaseCheckpointSaver[Any]):
         self._at[thread] = tup.checkpoint["id"]
         return out
 
-    def _forget(self, thread: str) -> list[str]:
+    def _forget(self, thread: str) -> builtins.list[str]:
         owned = self._owned.pop(thread, [])
         for m in (self._sandbox, self._at, self._run, self._rollbacks):
             m.pop(thread, None)
@@ -449,11 +450,13 @@ class CrabdCheckpointSaver(BaseCheckpointSaver[Any]):
             call = next(logic)
             while True:
                 kind, method, args, kw = call
+                result: Any
                 try:
                     if kind == "lock":
                         result = self._locks.setdefault(method, threading.Lock()).acquire()
                     elif kind == "unlock":
-                        result = self._locks[method].release()
+                        self._locks[method].release()
+                        result = None
                     else:
                         result = getattr(self.client if kind == "crabd" else self.inner, method)(*args, **kw)
                 except BaseException as e:  # cancellation too: the logic releases its lock
@@ -468,6 +471,7 @@ class CrabdCheckpointSaver(BaseCheckpointSaver[Any]):
             call = next(logic)
             while True:
                 kind, method, args, kw = call
+                result: Any
                 try:
                     if kind == "lock":  # a thread lock (sync callers share it), polled: cancellable
                         lock = self._locks.setdefault(method, threading.Lock())
@@ -475,7 +479,8 @@ class CrabdCheckpointSaver(BaseCheckpointSaver[Any]):
                             await asyncio.sleep(0.005)
                         result = True
                     elif kind == "unlock":
-                        result = self._locks[method].release()
+                        self._locks[method].release()
+                        result = None
                     elif kind == "inner":
                         result = await getattr(self.inner, "a" + method)(*args, **kw)
                     elif self.aclient is not None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import builtins
 import os
 import re
 import secrets
@@ -35,7 +36,7 @@ import psutil
 from deltafs import Mount, is_mountpoint, mount_all, unmount
 
 from .. import config
-from ..errors import (CommandNotFound, ExecError, ExecTimeout, FailedPrecondition,
+from ..errors import (CommandNotExecutable, CommandNotFound, ExecError, ExecTimeout, FailedPrecondition,
                       InvalidArgument, NotFound, SandboxNotRunning)
 from ..images import ImageStore, validate_name
 from ..runner import Runner, SubprocessRunner
@@ -162,7 +163,7 @@ class Runtime:
                     return sb
         raise NotFound(f"no sandbox {ref!r}", fix="crabd sandbox ls lists the sandboxes")
 
-    def pids(self, ref: str) -> list[int]:
+    def pids(self, ref: str) -> builtins.list[int]:
         """Host pids of every process in the sandbox (from its cgroup)."""
         sb = self.get(ref)
         procs = self.layout.freezer_dir(sb.cgroup_rel) / "cgroup.procs"
@@ -464,6 +465,9 @@ class Runtime:
             if eno == errno.ENOENT:
                 raise CommandNotFound(f"command {argv[0]!r} not found in sandbox {sb.id}",
                                       fix="check the program exists in the image and is on PATH, or pass a shell string")
+            if eno in (errno.EACCES, errno.ENOEXEC, errno.EPERM, errno.EISDIR):
+                raise CommandNotExecutable(f"{argv[0]!r} in sandbox {sb.id} is not executable: {os.strerror(eno)}",
+                                           fix="check its mode (chmod +x) and format, or run it through a shell")
             raise ExecError(f"could not execute {argv[0]!r} in sandbox {sb.id}: {os.strerror(eno)}")
         elif kind == "C":
             raise ExecError(f"cannot enter the working directory in sandbox {sb.id}: {os.strerror(int(value))}")
@@ -597,7 +601,7 @@ class Runtime:
                        limits=Limits.from_dict(data["limits"]), root=[Mount.from_dict(m) for m in data["root"]],
                        dir=d, labels=data.get("labels") or {})
 
-    def _image_users(self, image: str) -> list[str]:
+    def _image_users(self, image: str) -> builtins.list[str]:
         out = []
         if self.sandboxes_dir.is_dir():
             for d in self.sandboxes_dir.iterdir():

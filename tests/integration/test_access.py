@@ -109,7 +109,7 @@ def test_owners_cannot_see_or_touch_each_others_sandboxes(live: Any) -> None:
     assert out["stdout"] == "alice-secret\n"
     forked = alice.ok("POST", f"/v1/checkpoints/{ck}/fork", json={"count": 1})["sandboxes"]
     assert alice.ok("GET", f"/v1/sandboxes/{forked[0]}")["owner"] == "alice"
-    assert bob(f"GET", f"/v1/sandboxes/{forked[0]}").status_code == 404
+    assert bob("GET", f"/v1/sandboxes/{forked[0]}").status_code == 404
     for s in [sid, *forked]:
         alice.ok("DELETE", f"/v1/sandboxes/{s}")
     bob.ok("DELETE", f"/v1/sandboxes/{b['id']}")

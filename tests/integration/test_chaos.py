@@ -23,9 +23,9 @@ MUST_BE_ZERO = ("lost_sandboxes", "lost_checkpoints", "corrupt_accepted", "unres
 
 
 def test_chaos_quick(busybox_image):
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "chaos.py"), "--quick", "--json", "--seed", "7",
+    p = subprocess.run([sys.executable, "-m", "bench.chaos", "--quick", "--json", "--seed", "7",
                         "--verify-cap", "4"],
-                       capture_output=True, text=True, timeout=480)
+                       capture_output=True, text=True, timeout=480, cwd=ROOT)
     log = p.stderr[-6000:]
     assert p.stdout.strip(), f"bench chaos printed no JSON (exit {p.returncode}):\n{log}"
     out = json.loads(p.stdout)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from crabd.testing import wait_until
+from crabd.testing import settled_checkpoint
 
 pytestmark = pytest.mark.integration
 
@@ -93,8 +93,7 @@ def crabd(daemon, debian_image):
 
 
 def _settled(c, cid: str) -> dict:
-    return wait_until(lambda: (lambda ck: ck if ck["state"] != "pending" else None)(c.checkpoint(cid)),
-                      f"settled checkpoint {cid}", interval=0.2)
+    return settled_checkpoint(c, cid)
 
 
 def _start(c, sid: str, body: str, env: dict | None = None) -> dict:

@@ -29,7 +29,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from crabd.testing import wait_until
+from crabd.testing import settled_checkpoint, wait_until
 
 WRAPPER = r"""#!/bin/sh
 # test_criu_failure: CRIU that fails on demand (see CTRL)
@@ -66,10 +66,7 @@ exec "$REAL" "$@"
 
 
 def _committed(c, cid: str) -> dict:
-    def settled() -> dict | None:
-        ck = c.checkpoint(cid)
-        return ck if ck["state"] != "pending" else None
-    return wait_until(settled, f"settled checkpoint {cid}", interval=0.2)
+    return settled_checkpoint(c, cid)
 
 
 def _wrapped_daemon(start_daemon, tmp_path):

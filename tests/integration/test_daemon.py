@@ -308,6 +308,29 @@ def test_socket_metrics_openapi_and_cli(crabd):
     assert r.returncode == 1 and "no sandbox" in r.stderr
 
 
+def test_cli_exec_exits_like_docker_exec(crabd):
+    """The command's own code; 127 not found, 126 not executable, 125 when
+    crabd itself fails (before: 1 for all three, like a command's exit 1)."""
+    sock = ["--socket", str(crabd.socket)]
+    sid = crabd.client().create_sandbox("busybox")["id"]
+    try:
+        def code(*cmd: str) -> int:
+            return subprocess.run([CRABD, "exec", *sock, sid, "--", *cmd], capture_output=True, text=True,
+                                  timeout=120).returncode
+        assert code("sh", "-c", "exit 7") == 7
+        assert code("/no/such/program") == 127
+        assert code("/etc/passwd") == 126          # a file without the x bit
+        assert code("sh", "-c", "no-such-program") == 127   # the shell's own 127
+        r = subprocess.run([CRABD, "exec", *sock, "no-such-sandbox", "--", "true"], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 125 and "no sandbox" in r.stderr, r.stderr
+        r = subprocess.run([CRABD, "exec", "--socket", "/nonexistent.sock", sid, "--", "true"], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 125, (r.returncode, r.stderr)
+    finally:
+        crabd.client().delete_sandbox(sid)
+
+
 def test_tcp_listener_needs_the_bearer_token(tmp_path):
     import socket as so
     token = tmp_path / "token"

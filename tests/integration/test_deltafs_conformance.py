@@ -523,3 +523,52 @@ def test_remove_refuses_a_mounted_active_and_background_unmount_frees_it(env):
     assert not deltafs.is_mountpoint(t)
     s.remove("sb")
     assert s.gc() == [] or all("trash" in p for p in s.gc())
+
+
+# 27
+def test_a_replaced_dir_stays_replaced_after_compaction(env):
+    """A dir removed and made again: its new layer has the dir with a
+    whiteout for each old child. Compaction merged that into a layer where
+    the dir exists in no lower layer, so overlayfs did not merge it and
+    showed the whiteout as a 0/0 character device: the deleted file back by
+    name after a rollback (overlay, chains deeper than max_depth)."""
+    s, m = env
+    image(s, m)
+    t = m.mount(s.prepare("sb", parent="img"))
+    names = []
+    for i in range(36):   # older layers: compaction merges the newest run of the chain
+        write(f"{t}/turn", str(i))
+        names.append(s.checkpoint("sb"))
+    os.mkdir(f"{t}/d")
+    write(f"{t}/d/old", "gone soon")
+    names.append(s.checkpoint("sb"))
+    shutil.rmtree(f"{t}/d")
+    os.mkdir(f"{t}/d")
+    write(f"{t}/d/new", "kept")
+    names.append(s.checkpoint("sb"))
+    for i in range(2):
+        write(f"{t}/turn", f"after {i}")
+        names.append(s.checkpoint("sb"))
+    if s.driver == "overlay":
+        assert s.compact() > 0
+    for i in (37, 39):
+        r = m.mount(s.prepare(f"r{i}", parent=names[i]))
+        assert sorted(os.listdir(f"{r}/d")) == ["new"], f"checkpoint {i}"
+    r = m.mount(s.prepare("r36", parent=names[36]))
+    assert sorted(os.listdir(f"{r}/d")) == ["old"]
+
+
+def test_overlay_layer_listing_sees_opaque_dirs(tmp_path):
+    """Compaction's listing of a layer reads each dir's opaque xattr (a
+    trusted.* xattr: root). It once joined the bytes name into an f-string
+    ("b'd'"), so no dir was ever opaque to the merge (found by mypy)."""
+    from deltafs.overlay import OPAQUE, OverlaySnapshotter
+    (tmp_path / "d").mkdir()
+    (tmp_path / "plain").mkdir()
+    os.setxattr(tmp_path / "d", OPAQUE, b"y")
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        listing = OverlaySnapshotter._layer_listing(fd)
+    finally:
+        os.close(fd)
+    assert listing[b"d"].opaque and not listing[b"plain"].opaque

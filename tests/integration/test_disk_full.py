@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from crabd.errors import CrabdError
+from crabd.testing import settled_checkpoint
 
 SIZE = 384 << 20
 
@@ -45,13 +46,7 @@ def small_fs():
 
 
 def _settled(c, cid: str, timeout: float = 120) -> dict:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        ck = c.checkpoint(cid)
-        if ck["state"] != "pending":
-            return ck
-        time.sleep(0.2)
-    raise AssertionError(f"checkpoint {cid} still pending after {timeout} s")
+    return settled_checkpoint(c, cid, timeout)
 
 
 def _full_failure(ck: dict) -> bool:

@@ -32,7 +32,7 @@ def test_proc_fallback_on_real_processes(cell):
     insp = ProcInspector(probe)
     insp.watch("fb", cell.cgroup)
     plans = []
-    for cmd in ["ls", "echo x > f", f"python3 -m http.server 0 --bind 127.0.0.1 >/dev/null 2>&1 &", "true"]:
+    for cmd in ["ls", "echo x > f", "python3 -m http.server 0 --bind 127.0.0.1 >/dev/null 2>&1 &", "true"]:
         insp.begin_turn("fb")
         cell.run(cmd)
         if "http.server" in cmd:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from ebpf import BPFUnavailable, Inspector, PlanKind, classify
+from ebpf import BPFUnavailable, Inspector, classify
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,6 @@ piece fails with the fix, it never skips.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import time
 

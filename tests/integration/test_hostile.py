@@ -12,14 +12,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "hostile.py"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_hostile_sandbox_stays_inside(busybox_image):
     try:
-        r = subprocess.run([sys.executable, str(BENCH), "--quick", "--files", "3000", "--wide", "300", "--deep", "1100",
+        r = subprocess.run([sys.executable, "-m", "bench.hostile", "--quick", "--files", "3000", "--wide", "300", "--deep", "1100",
                             "--disk-mib", "512", "--json"],
-                           capture_output=True, text=True, timeout=420)
+                           capture_output=True, text=True, timeout=420, cwd=ROOT)
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"bench/hostile.py hung (420 s): {(e.stderr or b'')[-2000:]!r}") from None
     assert r.stdout.strip(), f"no report; stderr: {r.stderr[-3000:]}"

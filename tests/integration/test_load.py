@@ -11,14 +11,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "load.py"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_load_tiny_run_is_consistent(busybox_image):
     try:
-        r = subprocess.run([sys.executable, str(BENCH), "--sandboxes", "3", "--turns", "10", "--think-ms", "50",
+        r = subprocess.run([sys.executable, "-m", "bench.load", "--sandboxes", "3", "--turns", "10", "--think-ms", "50",
                             "--rollback-sample", "1", "--rss-interval", "0.5", "--json"],
-                           capture_output=True, text=True, timeout=420)
+                           capture_output=True, text=True, timeout=420, cwd=ROOT)
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"bench/load.py hung (420 s): {(e.stderr or b'')[-2000:]!r}") from None
     assert r.stdout.strip(), f"no report; stderr: {r.stderr[-3000:]}"

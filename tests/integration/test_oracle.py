@@ -9,7 +9,6 @@ negative."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,9 +18,9 @@ KEYS = {"turns", "false_negatives", "false_positives", "effect_kinds", "faults",
 
 
 def test_oracle_short_seeded_run(debian_image):
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "oracle.py"), "--turns", "16", "--session", "8",
+    p = subprocess.run([sys.executable, "-m", "bench.oracle", "--turns", "16", "--session", "8",
                         "--seed", "5", "--avoid-known", "--plant", "--shrink-s", "0", "--json"],
-                       capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                       capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-4000:]
     res = json.loads(p.stdout)
     assert KEYS <= set(res), set(res)

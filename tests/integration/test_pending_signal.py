@@ -5,7 +5,7 @@ process back with the signal still pending."""
 
 from __future__ import annotations
 
-from crabd.testing import wait_until
+from crabd.testing import settled_checkpoints
 
 BLOCKER = ("import os, signal, time\n"
            "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})\n"
@@ -24,8 +24,7 @@ def _pending(out: str) -> int:
 
 
 def _settled(c, sid):
-    wait_until(lambda: all(k["state"] != "pending" for k in c.checkpoints(sid, all=True)),
-               f"settled checkpoints of {sid}", 240)
+    return settled_checkpoints(c, sid, 240)
 
 
 def test_a_pending_signal_is_saved(start_daemon):

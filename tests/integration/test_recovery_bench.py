@@ -12,7 +12,6 @@ overhead is beside the end-to-end one; the inspector is the daemon's own."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -62,10 +61,10 @@ def test_recovery_bench_quick_on_busybox(tmp_path, busybox_image):
     write_traces(traces)
     methods = _methods()
     out = tmp_path / "out"
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "recovery.py"), "--quick", "--traces", str(traces),
+    p = subprocess.run([sys.executable, "-m", "bench.recovery", "--quick", "--traces", str(traces),
                         "--methods", methods, "--faults", "boundary,mid-turn,daemon", "--time-scale", "0.05",
                         "--inspector", "proc", "--json", "--out", str(out)],
-                       capture_output=True, text=True, timeout=600, env={**os.environ})
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-4000:]
     res = json.loads(p.stdout)
     assert set(res["methods"]) == set(methods.split(","))
@@ -114,9 +113,9 @@ def test_recovery_bench_chain_hits_every_fault_point(tmp_path, busybox_image):
     trace; crabd's state is right after every recovery and at the end."""
     traces = tmp_path / "traces"
     write_traces(traces)
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "recovery.py"), "--chain", "--traces", str(traces),
+    p = subprocess.run([sys.executable, "-m", "bench.recovery", "--chain", "--traces", str(traces),
                         "--methods", "crabd", "--time-scale", "0.05", "--inspector", "proc", "--json"],
-                       capture_output=True, text=True, timeout=400, env={**os.environ})
+                       capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-4000:]
     res = json.loads(p.stdout)
     chain = res["chain"]["crabd"]

@@ -20,7 +20,7 @@ import signal
 import pytest
 
 from crabd.errors import FailedPrecondition
-from crabd.testing import wait_until
+from crabd.testing import settled_checkpoints, wait_until
 
 BIG = 8 * 1024 * 1024
 CHECK = "cat /work/t1.txt /work/t2.txt 2>&1; wc -c < /work/big 2>&1"
@@ -34,10 +34,7 @@ def _chaos_hits(log, phase: str) -> int:
 
 
 def _settled(c, sid: str) -> list[dict]:
-    def done():
-        cks = c.checkpoints(sid, all=True)
-        return cks if all(k["state"] != "pending" for k in cks) else None
-    return wait_until(done, f"settled checkpoints of {sid}", 240)  # type: ignore[return-value]
+    return settled_checkpoints(c, sid, 240)
 
 
 def test_rollback_after_a_restart_mid_capture_keeps_the_files(start_daemon):

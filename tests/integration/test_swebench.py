@@ -83,12 +83,11 @@ def test_swebench_instance_and_trajectory_run_in_a_sandbox(tmp_path, runtime, de
     assert "git apply -v /swebench/gold.patch" in " ".join(x.run for x in traces["acme__calc-2"].turns)
 
     # The trajectory's trace, run in a real sandbox through the daemon, solves the task.
-    sys.path.insert(0, str(ROOT / "bench"))
     os.environ["CRABD_BENCH_CACHE"] = str(cache)
     try:
         import importlib
 
-        import inputs
+        from bench import inputs
         importlib.reload(inputs)  # CACHE is read at import
         assert t.image == debian_image
         sb = sandbox_factory(t.image)
@@ -118,4 +117,3 @@ def test_swebench_instance_and_trajectory_run_in_a_sandbox(tmp_path, runtime, de
         assert res["exit_code"] == 0, res["stderr"]
     finally:
         del os.environ["CRABD_BENCH_CACHE"]
-        sys.path.remove(str(ROOT / "bench"))

@@ -19,12 +19,11 @@ from __future__ import annotations
 import os
 import signal
 
-from crabd.testing import wait_until
+from crabd.testing import settled_checkpoints, wait_until
 
 
 def _settled(c, sid):
-    return wait_until(lambda: all(k["state"] != "pending" for k in c.checkpoints(sid, all=True)),
-                      f"settled checkpoints of {sid}", 240)
+    return settled_checkpoints(c, sid, 240)
 
 
 def _recover(c, sid):

@@ -47,7 +47,7 @@ def test_option_page_limit_names_the_fix():
     assert len(",".join(ok)) < MAX_OPTIONS_BYTES // 4
 
 
-D, W, O = LayerEntry("dir"), LayerEntry("whiteout"), LayerEntry("other")
+D, W, O = LayerEntry("dir"), LayerEntry("whiteout"), LayerEntry("other")  # noqa: E741  (a table of layers)
 OD = LayerEntry("dir", opaque=True)
 
 

@@ -5,15 +5,12 @@ one figure per round, where the time went, and bytes counted once per round."""
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT / "bench") not in sys.path:
-    sys.path.insert(0, str(ROOT / "bench"))
+from bench.recovery_report import report_md, summarize
+from bench.recovery_runs import RunRecord
 
-from recovery import RunRecord  # noqa: E402
-from recovery_report import report_md, summarize  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _args() -> argparse.Namespace:
@@ -66,8 +63,8 @@ def test_one_round_is_the_plain_ratio() -> None:
 
 
 def test_chain_summary_counts_points_and_names_the_wrong_ones() -> None:
-    from recovery_chain import ChainPoint, ChainRecord, report_lines
-    from recovery_chain import summarize as chain_summary
+    from bench.recovery_chain import ChainPoint, ChainRecord, report_lines
+    from bench.recovery_chain import summarize as chain_summary
 
     t = argparse.Namespace(name="a", turns=[None] * 4)
     good = ChainRecord("a", "crabd", "boundary", [ChainPoint(k, k, True, 100.0) for k in (1, 2, 3)], True, 5.0)
@@ -156,7 +153,7 @@ def test_tar_bytes_is_the_size_tarfile_writes(tmp_path) -> None:
     import random
     import tarfile
 
-    from recovery import tar_bytes
+    from bench.recovery_runs import tar_bytes
     rng = random.Random(7)
     changes, out = [], tmp_path / "t.tar"
     with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
@@ -191,7 +188,7 @@ def test_one_percentile_for_every_benchmark() -> None:
     """bench/_stats.py: nearest rank, always a sample; every bench script uses it."""
     import re
 
-    from _stats import median, percentile, quantiles
+    from bench._stats import median, percentile, quantiles
     xs = [5.0, 1.0, 4.0, 2.0, 3.0]
     assert [percentile(xs, p) for p in (0, 20, 21, 50, 99, 100)] == [1.0, 1.0, 2.0, 3.0, 5.0, 5.0]
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.0 and median([1.0, 2.0, 3.0, 4.0]) == 2.5

@@ -5,17 +5,14 @@ JSON summary `crabd bench zdtm --json` prints."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT / "bench") not in sys.path:
-    sys.path.insert(0, str(ROOT / "bench"))
+from bench import zdtm
+from bench.zdtm import Outcome, ZdtmTest
 
-import zdtm  # noqa: E402
-from zdtm import Outcome, ZdtmTest  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 # A cut-down copy of test/zdtm/static/Makefile's shape (CRIU 4.1.1).
 MAKEFILE = """\

@@ -1,0 +1,49 @@
+"""What several benchmarks measure the same way: the daemon's resident memory.
+
+The daemon, the busybox image and "wait until the checkpoints settle" are
+shared with the tests and live in `crabd.testing`; this module holds only
+what the tests never need.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import psutil
+
+__all__ = ["RssSampler"]
+
+
+class RssSampler(threading.Thread):
+    """Samples a process's RSS every `interval` s in the background:
+    `samples` = [(seconds since start, bytes)]. `stop()` ends it."""
+
+    def __init__(self, pid: int, interval: float = 0.2) -> None:
+        super().__init__(daemon=True)
+        self.proc, self.interval = psutil.Process(pid), interval
+        self.samples: list[tuple[float, int]] = []
+        self.stop_ev = threading.Event()
+        self.t0 = time.monotonic()
+
+    def run(self) -> None:
+        while not self.stop_ev.is_set():
+            try:
+                self.samples.append((time.monotonic() - self.t0, self.proc.memory_info().rss))
+            except psutil.Error:
+                return  # the process is gone: the samples so far are the record
+            self.stop_ev.wait(self.interval)
+
+    def stop(self) -> None:
+        self.stop_ev.set()
+        self.join()
+
+    def peak_since(self, t: float) -> int:
+        """Peak bytes over the samples taken since monotonic time `t` (one
+        interval of slack: the sample just before `t` may be the phase's)."""
+        xs = [r for (s, r) in self.samples if s >= t - self.t0 - self.interval]
+        return max(xs) if xs else 0
+
+    def mib(self) -> list[tuple[float, float]]:
+        """The samples as (seconds, MiB), both rounded to 0.1."""
+        return [(round(s, 1), round(r / 2**20, 1)) for s, r in self.samples]
