@@ -25,5 +25,6 @@ COMMANDS = {
     "stall": "stall",
     "effects": "effects",
     "oracle": "oracle",
+    "latency": "latency",
     "zdtm": "zdtm",
 }

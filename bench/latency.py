@@ -398,7 +398,7 @@ def text(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="4 rounds, 5 execs a round, 2 restarts")
@@ -410,7 +410,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="crabd's inspector (bpf: the default, compiled at each start)")
     ap.add_argument("--no-docker", action="store_true", help="leave out the docker exec peer")
     ap.add_argument("--out", type=Path, help="also write results.json there")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
     a.rounds = a.rounds if a.rounds is not None else (4 if a.quick else 12)
     a.execs = a.execs if a.execs is not None else (5 if a.quick else 10)
     a.restarts = a.restarts if a.restarts is not None else (2 if a.quick else 4)

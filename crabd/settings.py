@@ -15,7 +15,9 @@ layout of scripts/setup-host that library code needs without a daemon
 library's default state dir: crabd.config), the
 client's CRABD_SOCKET, and test or benchmark hooks that must never be set in
 a config file by mistake (CRABD_CHAOS*, CRABD_OVERLAY_MAX_DEPTH,
-CRABD_ORACLE, CRABD_PYTHON, CRABD_VERBOSE, CRABD_BENCH_CACHE).
+CRABD_ORACLE, CRABD_PYTHON, CRABD_VERBOSE, CRABD_BENCH_CACHE), and the
+experimental fast exec path (CRABD_EXEC_CHANNEL, read by crabd.config: off
+until it has passed the whole suite; it becomes a setting then).
 
 Startup fails fast on a bad file (STYLE.md): an unknown key is an error that
 names the key (a typo such as `keep_lst` must not silently keep the default),

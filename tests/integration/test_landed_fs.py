@@ -44,10 +44,12 @@ def test_relative_writes_into_proc_are_process_state(start_daemon):
                 continue
             c.exec(sid, cmd.format(v=0))
             _settled(c, sid)
-            c.rollback(sid, r["checkpoint"])
-            back = c.exec(sid, "cat /proc/$(pidof sleep)/oom_score_adj")["stdout"].strip()
-            if back != "500":
-                wrong.append(f"{case}: after a rollback oom_score_adj is {back!r}, not 500")
+            rb = c.rollback(sid, r["checkpoint"])
+            back = c.exec(sid, "cat /proc/$(pidof sleep)/oom_score_adj")
+            if back["stdout"].strip() != "500":
+                kinds = [(e["kind"], e.get("data")) for e in c.events(sandbox=sid)[-6:]]
+                wrong.append(f"{case}: after a rollback oom_score_adj is {back!r}, not 500; rollback: {rb}; "
+                             f"events: {kinds}")
         finally:
             c.delete_sandbox(sid)
     assert not wrong, "\n".join(wrong)

@@ -36,7 +36,8 @@ def test_a_bad_variable_names_itself() -> None:
 # crabd/daemon.py and crabd/runtime/process.py are being split (issue 19) and
 # keep their test hooks (CRABD_OVERLAY_MAX_DEPTH, CRABD_CRIU) for now.
 NOT_SETTINGS = {"CRABD_PREFIX", "CRABD_INIT", "CRABD_RUNC", "CRABD_CRIU", "CRABD_SOCKET", "CRABD_STATE_DIR",
-                "CRABD_ORACLE", "CRABD_PYTHON", "CRABD_VERBOSE", "CRABD_OVERLAY_MAX_DEPTH"}
+                "CRABD_ORACLE", "CRABD_PYTHON", "CRABD_VERBOSE", "CRABD_OVERLAY_MAX_DEPTH",
+                "CRABD_EXEC_CHANNEL"}
 
 
 def test_no_setting_is_read_from_the_environment_ad_hoc() -> None:
