@@ -615,7 +615,7 @@ _CRIU_COMMS = ("criu", "ld-linux-x86-64")
 
 class AdoptedReaper:
     """Reaps the zombie children crabd adopted as a child subreaper and that
-    nobody else waits for; run periodically (crabd/daemon.py's death watch).
+    nobody else waits for; run periodically (crabd/daemon/deathwatch.py).
 
     Adopted, never started by crabd: every sandbox init (`runc create`'s
     child), the tree of every CRIU restore (`runc restore --detach`), exec
