@@ -16,7 +16,7 @@ import logging
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import deltafs
 
@@ -128,3 +128,18 @@ class DaemonBase:
             self.images.remove(image)
         except Exception as e:
             log.info("keeping process image %s: %s", image, e)
+
+    @staticmethod
+    def _report_failure(fut: asyncio.Future[Any], report: Callable[[BaseException], None]) -> None:
+        """Call `report(error)` when a background job fails (not when it is
+        cancelled, by a rollback or a destroy: that is no failure)."""
+        from ..scheduler import JobCancelled
+
+        def done(f: asyncio.Future[Any]) -> None:
+            if f.cancelled():
+                return
+            e = f.exception()
+            if e is not None and not isinstance(e, JobCancelled):
+                report(e)
+
+        fut.add_done_callback(done)

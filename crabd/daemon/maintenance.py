@@ -33,7 +33,7 @@ class Maintenance(DaemonBase):
         layer chains, removal of crash leftovers) as idle work (event loop)."""
         if self._maintenance_queued:
             return
-        from ..scheduler import JobCancelled, JobKind
+        from ..scheduler import JobKind
         self._maintenance_queued = True
         job = self.scheduler.policy.background_job(JobKind.COMPACTION, 0, time.monotonic())
 
@@ -55,10 +55,10 @@ class Maintenance(DaemonBase):
 
         def done(f: asyncio.Future[Any]) -> None:
             self._maintenance_queued = False
-            if not f.cancelled() and f.exception() is not None and not isinstance(f.exception(), JobCancelled):
-                log.warning("snapshot maintenance failed: %s", f.exception())
 
-        self.scheduler.submit(job, run).add_done_callback(done)
+        fut = self.scheduler.submit(job, run)
+        fut.add_done_callback(done)
+        self._report_failure(fut, lambda e: log.warning("snapshot maintenance failed: %s", e))
 
     def _retention(self) -> Any:
         from ..retention import Retention

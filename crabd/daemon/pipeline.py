@@ -251,7 +251,7 @@ class CapturePipeline(DaemonBase):
     # --- sizing: a committed checkpoint's bytes, counted as idle work ------------------------
     def _schedule_sizing(self, sid: str, cid: str, extra: int) -> None:
         """Queue the byte count of committed checkpoint `cid` as idle work (event loop)."""
-        from ..scheduler import JobCancelled, JobKind
+        from ..scheduler import JobKind
         job = self.scheduler.policy.background_job(JobKind.SIZING, 0, time.monotonic(), sandbox_id=sid)
         self._sizing_queued[cid] = (sid, extra)
 
@@ -259,14 +259,8 @@ class CapturePipeline(DaemonBase):
             self._sizing_queued.pop(cid, None)
             await asyncio.to_thread(self._size_checkpoint, cid, extra)
 
-        def done(f: asyncio.Future[Any]) -> None:
-            if f.cancelled():
-                return
-            e = f.exception()
-            if e is not None and not isinstance(e, JobCancelled):
-                log.warning("sizing checkpoint %s failed: %s", cid, e)
-
-        self.scheduler.submit(job, run).add_done_callback(done)
+        self._report_failure(self.scheduler.submit(job, run),
+                             lambda e: log.warning("sizing checkpoint %s failed: %s", cid, e))
 
     def _size_checkpoint(self, cid: str, extra: int) -> None:
         """Fill in a committed checkpoint's `bytes`: what its snapshot adds over

@@ -15,8 +15,6 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Any
-
 from ..errors import NotFound
 from ..store import CheckpointRow, SandboxRow
 from .base import DaemonBase, StandbyEntry
@@ -37,24 +35,18 @@ class Standbys(DaemonBase):
         """Queue a refresh of the sandbox's standby as idle work (event loop)."""
         if self.standby_policy.per_sandbox == 0 or sid not in self.turns:
             return
-        from ..scheduler import JobCancelled, JobKind
+        from ..scheduler import JobKind
         job = self.scheduler.policy.background_job(JobKind.STANDBY_REFRESH, 0, time.monotonic(), sandbox_id=sid)
         self.scheduler.cancel(sid, kinds=[JobKind.STANDBY_REFRESH])  # only the newest matters
 
         async def run() -> None:
             await asyncio.to_thread(self._refresh_standby, sid)
 
-        fut = self.scheduler.submit(job, run)
+        def failed(e: BaseException) -> None:
+            log.warning("standby refresh of %s failed: %s", sid, e)
+            self.events.emit(EventKind.STANDBY_FAILED, sid, error=str(e))
 
-        def done(f: asyncio.Future[Any]) -> None:
-            if f.cancelled():
-                return
-            e = f.exception()
-            if e is not None and not isinstance(e, JobCancelled):
-                log.warning("standby refresh of %s failed: %s", sid, e)
-                self.events.emit(EventKind.STANDBY_FAILED, sid, error=str(e))
-
-        fut.add_done_callback(done)
+        self._report_failure(self.scheduler.submit(job, run), failed)
 
     def _refresh_standby(self, sid: str) -> None:
         """Make the sandbox's standby hold its recovery target (worker thread)."""
