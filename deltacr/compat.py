@@ -12,6 +12,14 @@ The same shim reads a dumped task's rlimits from /proc/PID/limits where
 the host refuses CRIU's prlimit64 of them: a task of another user, on a
 host without CAP_SYS_RESOURCE (see the shim's source). So the wrapper is
 also used wherever crabd runs without that capability.
+
+CRIU saves a tmpfs's contents (a sandbox's /dev, /dev/shm and any tmpfs
+it has) with `tar` and restores them with `tar`, without `--xattrs`: every
+extended attribute of a file on a tmpfs (user.*, trusted.*, file
+capabilities, ACLs) was lost at restore (found by crabd's ground-truth
+oracle). So the wrapper always puts a `tar` first on CRIU's PATH that adds
+`--xattrs --xattrs-include=*` to CRIU's create and extract, and the wrapper
+is used on every host.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from pathlib import Path
 from .errors import CriuUnavailable
 from .runc import CommandRunner, SubprocessCommandRunner, check_criu
 
-__all__ = ["host_criu", "needs_sockopt_shim", "has_cap_sys_resource", "CAP_SYS_RESOURCE"]
+__all__ = ["host_criu", "needs_sockopt_shim", "tar_shim_text", "has_cap_sys_resource", "CAP_SYS_RESOURCE"]
 
 CAP_SYS_RESOURCE = 24
 
@@ -56,8 +64,9 @@ def has_cap_sys_resource(status_text: str | None = None) -> bool:
 
 def host_criu(cache_dir: str | os.PathLike[str], criu: str = "criu",
               runner: CommandRunner | None = None) -> str:
-    """The CRIU command runc should use on this host: `criu` itself, or a
-    wrapper with the socket-option shim (built once into `cache_dir`)."""
+    """The CRIU command runc should use on this host: a wrapper (built once
+    into `cache_dir`) that puts the xattr-keeping `tar` on CRIU's PATH and,
+    where needed, preloads the socket-option shim."""
     key = (str(cache_dir), criu)
     with _lock:
         if key in _cache:
@@ -69,18 +78,44 @@ def host_criu(cache_dir: str | os.PathLike[str], criu: str = "criu",
             if key in _cache:
                 return _cache[key]
         info = check_criu(runner or SubprocessCommandRunner(), criu)
-        if not needs_sockopt_shim(info.version, platform.release()) and has_cap_sys_resource():
-            result = criu
-        else:
-            result = _build_wrapper(Path(cache_dir), criu)
+        preload = needs_sockopt_shim(info.version, platform.release()) or not has_cap_sys_resource()
+        result = _build_wrapper(Path(cache_dir), criu, preload)
     with _lock:
         _cache[key] = result
     return result
 
 
-def _build_wrapper(d: Path, criu: str) -> str:
+def _write_script(path: Path, text: str) -> None:
+    """Write an executable script unless it already has `text` (atomic)."""
+    if not path.exists() or path.read_text() != text:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.chmod(0o755)
+        os.replace(tmp, path)
+
+
+def tar_shim_text(real_tar: str) -> str:
+    """Pure: the `tar` CRIU finds first on its PATH (see the module doc)."""
+    return ("#!/bin/sh\n# deltacr: CRIU's tmpfs dump and restore, with extended attributes (see deltacr/compat.py)\n"
+            "case \"$1\" in\n"
+            f"--create|--extract) exec \"{real_tar}\" --xattrs '--xattrs-include=*' \"$@\" ;;\n"
+            "esac\n"
+            f"exec \"{real_tar}\" \"$@\"\n")
+
+
+def _build_wrapper(d: Path, criu: str, preload: bool) -> str:
     real = shutil.which(criu) or criu
     d.mkdir(parents=True, exist_ok=True)
+    bindir = d / "bin"
+    bindir.mkdir(exist_ok=True)
+    real_tar = shutil.which("tar")
+    if real_tar and Path(real_tar).parent != bindir:
+        _write_script(bindir / "tar", tar_shim_text(real_tar))
+    env = f'PATH="{bindir}:$PATH"'
+    if not preload:
+        _write_script(d / "criu", f'#!/bin/sh\n# deltacr: CRIU with tar keeping xattrs (see deltacr/compat.py)\n'
+                                  f'{env} exec "{real}" "$@"\n')
+        return str(d / "criu")
     so = d / "criu_sockopt_shim.so"
     wrapper = d / "criu"
     try:
@@ -105,10 +140,6 @@ def _build_wrapper(d: Path, criu: str) -> str:
                                   missing=["a working C compiler"], fix="apt-get install gcc libc6-dev")
         os.replace(tmp, so)
         stamp.write_bytes(src)
-    text = f'#!/bin/sh\n# deltacr: CRIU with the SO_PASSCRED and rlimit shim (see deltacr/compat.py)\nLD_PRELOAD="{so}" exec "{real}" "$@"\n'
-    if not wrapper.exists() or wrapper.read_text() != text:
-        tmpw = wrapper.with_suffix(".tmp")
-        tmpw.write_text(text)
-        tmpw.chmod(0o755)
-        os.replace(tmpw, wrapper)
+    _write_script(wrapper, f'#!/bin/sh\n# deltacr: CRIU with the SO_PASSCRED and rlimit shim, and tar keeping '
+                           f'xattrs (see deltacr/compat.py)\n{env} LD_PRELOAD="{so}" exec "{real}" "$@"\n')
     return str(wrapper)

@@ -354,7 +354,15 @@ class Runtime:
         rargv += ["--cwd", cwd or (img.workdir if img else "/") or "/"]
         for e in full_env:
             rargv += ["--env", e]
-        rargv += [sb.id, INIT_PATH, "--run", f"{RUN_PATH}/{fifo.name}", "--", *argv]
+        # After a CRIU restore the init lives in a time namespace of its own;
+        # the wrapper joins it (see init.c) so that the sandbox stays one
+        # tree CRIU can restore. It needs CAP_SYS_ADMIN for that, and drops
+        # it before the command runs.
+        time_ns = _other_time_ns(sb.pid)
+        if time_ns:
+            rargv[4:4] = ["--cap", "CAP_SYS_ADMIN"]
+        rargv += [sb.id, INIT_PATH, "--run", f"{RUN_PATH}/{fifo.name}", *(["--time-ns"] if time_ns else []),
+                  "--", *argv]
         # No stdin: an empty pipe (end of file at once), never the host's
         # /dev/null: a command that daemonizes keeps its stdin, and CRIU cannot
         # dump a file of a mount outside the sandbox ("Can't lookup mount").
@@ -722,3 +730,16 @@ def _kill_tree_from_pidfile(pidfile: Path) -> None:
         except psutil.NoSuchProcess:
             pass
 
+
+
+def _other_time_ns(pid: int | None) -> bool:
+    """Is `pid` (a sandbox's init) in a time namespace other than crabd's?
+    True after a CRIU restore; False when unknown (no pid, gone, or a
+    kernel without time namespaces): the dump-time check in
+    runtime/process.py still refuses a tree that spans two."""
+    if not pid:
+        return False
+    try:
+        return os.stat(f"/proc/{pid}/ns/time").st_ino != os.stat("/proc/self/ns/time").st_ino
+    except OSError:
+        return False

@@ -85,3 +85,33 @@ def test_crabds_own_paths_and_reads_leave_a_turn_skip(start_daemon):
         assert plans == ["SKIP"] * 3, [k["reasons"] for k in c.checkpoints(sid)[-3:]]
     finally:
         c.delete_sandbox(sid)
+
+
+XATTRS = (
+    "import os; p = '/dev/shm/x.txt'; open(p, 'w').write('x'); "
+    "os.setxattr(p, 'user.small', b'1'); os.setxattr(p, 'user.big', b'b' * 3000); "
+    "os.setxattr('/dev/shm', 'user.dir', b'd')"
+)
+READ_XATTRS = (
+    "import os, json; print(json.dumps({p: {k: os.getxattr(p, k).decode() for k in sorted(os.listxattr(p))} "
+    "for p in ('/dev/shm/x.txt', '/dev/shm')}, sort_keys=True))"
+)
+
+
+def test_tmpfs_xattrs_come_back(start_daemon):
+    """Extended attributes of files on a tmpfs are kept by a process
+    checkpoint (CRIU's tmpfs dump is a tar without --xattrs; deltacr's
+    wrapper adds them). Found by the ground-truth oracle."""
+    c = start_daemon(images=("debian-py",)).client()
+    sid = c.create_sandbox("debian-py")["id"]
+    try:
+        r = c.exec(sid, ["python3", "-c", XATTRS])
+        assert r["exit_code"] == 0 and r["plan"] == "FS_PROC", r
+        want = c.exec(sid, ["python3", "-c", READ_XATTRS])["stdout"]
+        assert "user.big" in want and "user.dir" in want, want
+        c.exec(sid, "rm -f /dev/shm/x.txt")
+        _captured(c, sid)
+        c.rollback(sid, r["checkpoint"])
+        assert c.exec(sid, ["python3", "-c", READ_XATTRS])["stdout"] == want
+    finally:
+        c.delete_sandbox(sid)

@@ -1,4 +1,6 @@
+import subprocess
 import os
+import subprocess
 import time
 
 import pytest
@@ -151,3 +153,20 @@ def test_a_killed_dump_says_so_with_crius_last_log_line(tmp_path):
 @pytest.mark.parametrize("cap_eff,has", [("000001fffeffffff", False), ("000001ffffffffff", True), ("0", False)])
 def test_cap_sys_resource_from_status(cap_eff, has):
     assert has_cap_sys_resource(f"Name:\tx\nCapEff:\t{cap_eff}\n") is has
+
+
+def test_tar_shim_adds_xattrs_to_criu_create_and_extract_only(tmp_path):
+    from deltacr.compat import tar_shim_text
+    echo = tmp_path / "real-tar"
+    echo.write_text('#!/bin/sh\nprintf "%s|" "$@"\n')
+    echo.chmod(0o755)
+    shim = tmp_path / "tar"
+    shim.write_text(tar_shim_text(str(echo)))
+    shim.chmod(0o755)
+
+    def run(*args: str) -> str:
+        return subprocess.run([str(shim), *args], capture_output=True, text=True, check=True).stdout
+
+    assert run("--create", "--gzip", "a b") == "--xattrs|--xattrs-include=*|--create|--gzip|a b|"
+    assert run("--extract", "--directory", "/x") == "--xattrs|--xattrs-include=*|--extract|--directory|/x|"
+    assert run("--version") == "--version|"
