@@ -83,7 +83,7 @@ class Daemon(Startup, Sandboxes, TurnLoop, CapturePipeline, Queries, Rollback, L
         self.ledger = Ledger(self.store)  # effects ledger and budgets (crabd/effects.py)
         from deltacr import ImageStore
 
-        from ..runtime.process import CheckpointableRunner
+        from ..runtime.criu import CheckpointableRunner
         # The init's output on a pipe (not a host file): CRIU can dump that.
         self.runtime = Runtime(self.state_dir, runner=CheckpointableRunner())
         self.images = ImageStore(self.state_dir / "cr")

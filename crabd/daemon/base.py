@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from ..effects import Ledger
     from ..metrics import Metrics
     from ..runtime import AdoptedReaper, Runtime
-    from ..runtime.process import Standby
+    from ..runtime.standby import Standby
     from .events import EventBus
     from .images import ImageSnapshots
     from .integrity import Integrity
@@ -45,7 +45,7 @@ __all__ = ["DaemonBase", "Turns", "StandbyEntry"]
 @dataclass
 class StandbyEntry:
     checkpoint: str   # the daemon checkpoint it holds (files + processes)
-    standby: Standby  # crabd.runtime.process.Standby
+    standby: Standby  # crabd.runtime.standby.Standby
     fs_key: str       # its deltafs active snapshot (a fork of the checkpoint's files)
 
 

@@ -203,7 +203,7 @@ class CapturePipeline(DaemonBase):
         checkpoint (committed, without a process image, with the reason)."""
         from deltacr import DeltacrError
 
-        from ..runtime.process import checkpoint_processes
+        from ..runtime.criu import checkpoint_processes
         # Capture mode `full` comes here at every turn and is captured and
         # counted exactly like crabd's own FS_PROC turns (crabd/capture.py).
         proc_image: str | None = None

@@ -156,7 +156,7 @@ class Rollback(DaemonBase):
         if ck.proc_image and processes:
             from deltacr import DeltacrError
 
-            from ..runtime.process import restore_processes
+            from ..runtime.criu import restore_processes
             try:
                 restore_processes(self.runtime, sid, self.images, ck.proc_image)
                 return "fs+proc"

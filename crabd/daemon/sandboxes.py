@@ -19,6 +19,7 @@ from deltafs.snapshotter import chaos_point  # CRABD_CHAOS: bench/chaos.py's kil
 
 from ..errors import NotFound
 from ..runtime import Limits
+from ..runtime.cgroups import sweep_standby_cgroups
 from ..store import CheckpointRow, SandboxRow
 from .base import DaemonBase, Turns
 from .events import EventKind
@@ -132,8 +133,7 @@ class Sandboxes(DaemonBase):
             if sid == row.id:
                 self._sizing_queued.pop(cid, None)
         self._discard_standby(row.id)
-        from ..runtime.process import sweep_standby_cgroups
-        sweep_standby_cgroups(self.runtime, row.id)
+        sweep_standby_cgroups(row.id)
         try:
             self.inspector.unwatch(row.id)
         except Exception:

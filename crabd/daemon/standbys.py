@@ -2,7 +2,7 @@
 
 Part of `crabd.daemon`. A standby is the recovery target's processes
 restored by CRIU into a spare container and kept stopped
-(`crabd.runtime.process`), on its own active snapshot of the target's files
+(`crabd.runtime.standby`), on its own active snapshot of the target's files
 (`names.new_standby_key`). It is prepared as idle work after each capture
 that wrote something (admitted by the host-wide `deltacr.StandbyPolicy`), and
 a rollback to that checkpoint is then a promotion (a SIGCONT) instead of a
@@ -52,7 +52,7 @@ class Standbys(DaemonBase):
         """Make the sandbox's standby hold its recovery target (worker thread)."""
         from deltacr import StandbyRecord
 
-        from ..runtime.process import prepare_standby
+        from ..runtime.standby import admit_standby, prepare_standby, standby_memory
         from ..store import IntegrityError
         with self._standby_lock(sid):
             if sid not in self.turns:
@@ -73,19 +73,21 @@ class Standbys(DaemonBase):
             except IntegrityError as e:
                 self.events.emit(EventKind.STANDBY_SKIPPED, sid, checkpoint=target.id, reason=e.message)
                 return
-            m = self.images.manifest(target.proc_image)
-            new = StandbyRecord(sid, target.id, sum(f.size for f in m.files if f.name.startswith("pages-")),
-                                time.time())
+            # The policy weighs the standbys this daemon holds (its own
+            # checkpoint ids; the sandbox's own one was discarded above).
+            new = StandbyRecord(sid, target.id, standby_memory(self.images, target.proc_image), time.time())
             current = [StandbyRecord(k, e.checkpoint, e.standby.memory_bytes, e.standby.created)
                        for k, e in self.standbys.items()]
-            adm = self.standby_policy.admit(new, current)
-            if not adm.admit:
-                self.events.emit(EventKind.STANDBY_SKIPPED, sid, checkpoint=target.id, reason=adm.reason)
-                return
-            for ev in adm.evict:
+
+            def evict(ev: StandbyRecord) -> None:
                 if ev.sandbox_id != sid:
                     with self._standby_lock(ev.sandbox_id):
                         self._discard_standby_locked(ev.sandbox_id)
+
+            adm = admit_standby(self.standby_policy, new, current, evict)
+            if not adm.admit:
+                self.events.emit(EventKind.STANDBY_SKIPPED, sid, checkpoint=target.id, reason=adm.reason)
+                return
             key = new_standby_key()
             mounts = self.fs.prepare(key, parent=target.fs_snapshot)
             try:
@@ -101,7 +103,7 @@ class Standbys(DaemonBase):
                          timing: dict[str, float]) -> str | None:
         """Roll back by promoting the standby of `ck`, if there is one. Returns
         the new root's deltafs key, or None (then the cold path runs)."""
-        from ..runtime.process import discard_standby, promote_standby
+        from ..runtime.standby import discard_standby, promote_standby
         with self._standby_lock(sid):
             e = self.standbys.get(sid)
             if e is None or e.checkpoint != ck.id:
@@ -129,7 +131,7 @@ class Standbys(DaemonBase):
             self._discard_standby_locked(sid)
 
     def _discard_standby_locked(self, sid: str) -> None:
-        from ..runtime.process import discard_standby
+        from ..runtime.standby import discard_standby
         e = self.standbys.pop(sid, None)
         if e is None:
             return
@@ -141,7 +143,8 @@ class Standbys(DaemonBase):
 
     def _discard_leftover_standbys(self) -> None:
         """Standbys are caches: after a restart, drop what an earlier daemon left."""
-        from ..runtime.process import discard_standby, list_standbys, remove_standby_leftovers, sweep_standby_cgroups
+        from ..runtime.cgroups import sweep_standby_cgroups
+        from ..runtime.standby import discard_standby, list_standbys, remove_standby_leftovers
         for st in list_standbys(self.runtime):
             try:
                 discard_standby(self.runtime, st)
@@ -151,7 +154,7 @@ class Standbys(DaemonBase):
         for d in remove_standby_leftovers(self.runtime):
             log.info("removed a half-made standby %s", d)
         for row in self.store.list_sandboxes():
-            sweep_standby_cgroups(self.runtime, row.id)
+            sweep_standby_cgroups(row.id)
         for info in list(self.fs.walk()):
             if is_standby_key(info.name):
                 self._remove_snapshot(info.name)

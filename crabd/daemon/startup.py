@@ -131,6 +131,10 @@ class Startup(DaemonBase):
             self.events.emit(EventKind.CHECKPOINT_DISCARDED, ck.sandbox_id, checkpoint=ck.id)
         self._reconcile_runtime()
         self.fs.gc()
+        from ..runtime.criu import gc_scratch
+        n = gc_scratch()  # CRIU's staging dirs a crashed crabd left on the tmpfs (an hour old at least)
+        if n:
+            log.info("removed %d leftover CRIU scratch dir(s)", n)
 
     def _drop_capture_leftovers(self, ck: CheckpointRow) -> None:
         """Remove what a capture of `ck` that never committed made: its

@@ -736,7 +736,7 @@ def _other_time_ns(pid: int | None) -> bool:
     """Is `pid` (a sandbox's init) in a time namespace other than crabd's?
     True after a CRIU restore; False when unknown (no pid, gone, or a
     kernel without time namespaces): the dump-time check in
-    runtime/process.py still refuses a tree that spans two."""
+    runtime/criu.py still refuses a tree that spans two."""
     if not pid:
         return False
     try:
