@@ -42,7 +42,7 @@ def image_snapshot(image: str) -> str:
 def is_image_snapshot(name: str | None) -> bool:
     """An image's snapshot: shared by every sandbox of the image, never a
     checkpoint's own (so never removed with a checkpoint or sandbox)."""
-    return bool(name) and name.startswith(IMAGE)  # type: ignore[union-attr]
+    return name is not None and name.startswith(IMAGE)
 
 
 def new_import_key(image: str) -> str:
