@@ -55,7 +55,7 @@ class LedgerGlue(DaemonBase):
                 cid = self.store.get_checkpoint(cid).parent
             except NotFound:
                 break
-        path: list[tuple[str | None, int]] = []
+        path: list[tuple[str, int]] = []
         cid, branch = row.head, row.branch
         while cid:
             path.append((cid, branch))

@@ -121,8 +121,9 @@ class Standbys(DaemonBase):
                     self._remove_snapshot(e.fs_key)
                 return None
             timing["promote"] = time.monotonic() - t
-            if getattr(e.standby, "promote_ms", None) is not None:
-                timing["resume"] = e.standby.promote_ms / 1000
+            promote_ms = getattr(e.standby, "promote_ms", None)
+            if promote_ms is not None:
+                timing["resume"] = promote_ms / 1000
         self._remove_snapshot(row.fs_key)
         return e.fs_key
 

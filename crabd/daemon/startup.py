@@ -39,7 +39,7 @@ class Startup(DaemonBase):
         deadline = time.monotonic() + 15
         while True:
             try:
-                fs = deltafs.open(str(self.state_dir / "fs"), driver=self.options.snapshot_driver,
+                fs: Any = deltafs.open(str(self.state_dir / "fs"), driver=self.options.snapshot_driver,
                                   pool_size=self.options.pool_size)
                 # Test knob (bench/chaos.py): shallow overlay chains, so compaction runs often.
                 if fs.driver == "overlay" and os.environ.get("CRABD_OVERLAY_MAX_DEPTH"):
