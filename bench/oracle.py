@@ -67,6 +67,7 @@ EFFECT_KINDS = ([f"fs:{o}" for o in FILE_OPS] + ["path:abs", "path:relative", "p
                 + [f"mount:{m}" for m in sorted(set(DIRS.values()))]
                 + [f"bg:{k}" for k in WORKER_KINDS] + ["bg:timer-at-turn-end", "bg:timer-in-llm-wait",
                                                       "proc:double-fork", "proc:kill", "proc:term", "proc:comm",
+                                                      "proc:oom-score-adj",
                                                       "proc:pending-signal", "turn:idle"]
                 + [f"fault:{f}" for f in FAULTS])
 
@@ -214,6 +215,10 @@ class Generator:
                 elif y < 0.6:
                     kinds.append("proc:comm")
                     ops = [["comm", name, f"rn{r.randint(0, 99)}"]]
+                elif y < 0.7:
+                    how = r.choice(["relative", "symlink"])
+                    kinds += ["proc:oom-score-adj", f"path:{how}"]
+                    ops = [["oom", name, str(r.randint(1, 999)), how]]
                 else:
                     sig = r.choice(["KILL", "TERM"])
                     kinds.append("proc:kill" if sig == "KILL" else "proc:term")

@@ -227,6 +227,27 @@ def op_comm(name, comm):
             f.write(comm)
 
 
+def op_oom(name, value, how="relative"):
+    """Set a worker's oom_score_adj through /proc by a path that does not
+    name /proc: relative to a cwd in /proc/PID, or through a symlink."""
+    for pid in _workers(name):
+        if how == "symlink":
+            link = f"/work/oracle-proc-{pid}"
+            if os.path.lexists(link):
+                os.unlink(link)
+            os.symlink(f"/proc/{pid}", link)
+            with open(f"{link}/oom_score_adj", "w") as f:
+                f.write(value)
+        else:
+            here = os.getcwd()
+            os.chdir(f"/proc/{pid}")
+            try:
+                with open("oom_score_adj", "w") as f:
+                    f.write(value)
+            finally:
+                os.chdir(here)
+
+
 def op_spawn(name, kind, delay_ms, period_ms, count, path="-"):
     """Double-fork a background worker; returns once it is set up (its
     start-up belongs to this turn; only its timers come later)."""

@@ -18,11 +18,12 @@ from fastapi import Depends, FastAPI, Query, Request
 from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, WithJsonSchema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .daemon import Daemon, is_disk_full
 from .errors import CrabdError, ExecTimeout, InvalidArgument, NotFound
+from .images import NAME_PATTERN
 from .runtime import Limits
 from .store import EVENTS_MAX_PAGE
 
@@ -35,6 +36,14 @@ ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 MAX_SEQ = 2**63 - 1  # SQLite's INTEGER
 
 
+# The request models below carry every rule the server enforces on a body,
+# so /openapi.json (and docs/reference/api.md, generated from it) says what
+# is accepted: a schema-valid request is never a 422 `invalid_argument`.
+# Only what JSON Schema cannot say stays in validators (lone surrogates).
+NO_NUL = r"^[^\x00]*$"
+ENV_NAME_PATTERN = r"^[^=\x00]+$"
+
+
 def _utf8(v: str) -> str:
     # Lone surrogates (JSON "\ud800") are valid JSON but no UTF-8: they would
     # fail deep in subprocess/sqlite with a 500.
@@ -45,64 +54,67 @@ def _utf8(v: str) -> str:
     return v
 
 
-def _text(v: str) -> str:
-    if "\x00" in v:
-        raise ValueError("contains a NUL byte")
-    return _utf8(v)
-
-
-Text = Annotated[str, AfterValidator(_text)]
-Utf8 = Annotated[str, AfterValidator(_utf8)]
-
-
-def _env_key(v: str) -> str:
-    if not v or "=" in v:
-        raise ValueError("environment variable names are non-empty and have no '='")
-    return _text(v)
-
-
-def _argv(v: list[str] | str) -> list[str] | str:
-    if isinstance(v, list) and not v:
-        raise ValueError("argv is empty")
+def _integral(v: Any) -> Any:
+    # JSON Schema's "integer" is any number with a zero fraction: 62.0 is
+    # one. Strict models would refuse it, so take it as the int it is.
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
     return v
 
 
+#: A string with no NUL byte, valid UTF-8.
+Text = Annotated[str, StringConstraints(pattern=NO_NUL), AfterValidator(_utf8)]
+Utf8 = Annotated[str, AfterValidator(_utf8)]
+#: Put after an int's bounds: 62.0 counts as 62, true and "62" do not.
+#: (Placed before them, pydantic would leave the bounds out of the schema.)
+AS_INT = BeforeValidator(_integral)
+#: An image or sandbox name (crabd.images.validate_name).
+Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
+Env = Annotated[
+    dict[Annotated[str, StringConstraints(min_length=1, pattern=ENV_NAME_PATTERN)], Text],
+    WithJsonSchema({"type": "object", "propertyNames": {"pattern": ENV_NAME_PATTERN},
+                    "additionalProperties": {"type": "string", "pattern": NO_NUL}}),
+]
 Id = Annotated[str, PathParam(pattern=ID_PATTERN, max_length=128, description="an id (or a sandbox's name)")]
 
 
-class LimitsIn(BaseModel):
+class StrictIn(BaseModel):
+    """A request body: unknown keys and mistyped values are 422 (true is no number)."""
     model_config = ConfigDict(extra="forbid", strict=True)
-    memory_bytes: int | None = Field(2 * 1024**3, ge=16 * 1024**2, le=1 << 50)
-    pids: int | None = Field(1024, ge=8, le=1_000_000)
-    cpus: float | None = Field(None, gt=0, le=1024)
 
 
-class SandboxCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    image: Text = Field(min_length=1, max_length=63)
-    name: Text | None = Field(None, min_length=1, max_length=63)
-    limits: LimitsIn | None = None
+class LimitsIn(StrictIn):
+    memory_bytes: Annotated[int, Field(ge=16 * 1024**2, le=1 << 50), AS_INT] | None = Field(
+        2 * 1024**3, description="memory limit of the sandbox's cgroup (bytes); null: none")
+    pids: Annotated[int, Field(ge=8, le=1_000_000), AS_INT] | None = Field(
+        1024, description="most processes and threads at once; null: none")
+    cpus: float | None = Field(None, gt=0, le=1024, description="CPU quota in cores; null: none")
 
 
-class ExecIn(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    cmd: Annotated[list[Text] | Text, AfterValidator(_argv)] = Field(
+class SandboxCreate(StrictIn):
+    image: Name = Field(description="an image name (crabd image ls)")
+    name: Name | None = Field(None, description="a unique name for the sandbox; usable wherever its id is")
+    limits: LimitsIn | None = Field(None, description="cgroup limits; the defaults when omitted")
+
+
+class ExecIn(StrictIn):
+    cmd: Annotated[list[Text], Field(min_length=1)] | Annotated[Text, Field(min_length=1)] = Field(
         description="argv list, or a string run by /bin/sh -c")
-    timeout: float | None = Field(600.0, gt=0, le=86400)
-    env: dict[Annotated[str, AfterValidator(_env_key)], Text] | None = None
-    cwd: Text | None = Field(None, min_length=1, max_length=4096)
-    stdin: Utf8 | None = Field(None, max_length=MAX_BODY)
+    timeout: float | None = Field(600.0, gt=0, le=86400,
+                                  description="seconds; then the command's process tree is killed (408)")
+    env: Env | None = Field(None, description="environment variables added to the image's")
+    cwd: Text | None = Field(None, min_length=1, max_length=4096,
+                             description="working directory in the sandbox; the image's when omitted")
+    stdin: Utf8 | None = Field(None, max_length=MAX_BODY, description="text given to the command on stdin")
 
 
-class RollbackIn(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    checkpoint: Annotated[str, Field(pattern=ID_PATTERN)] | Annotated[int, Field(ge=0, le=MAX_SEQ)] | None = Field(
-        None, description="checkpoint id or sequence number; latest when omitted")
+class RollbackIn(StrictIn):
+    checkpoint: (Annotated[str, Field(pattern=ID_PATTERN)] | Annotated[int, Field(ge=0, le=MAX_SEQ), AS_INT]
+                 | None) = Field(None, description="checkpoint id or sequence number; latest when omitted")
 
 
-class ForkIn(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    count: int = Field(1, ge=1, le=64)
+class ForkIn(StrictIn):
+    count: Annotated[int, Field(ge=1, le=64), AS_INT] = Field(1, description="how many sandboxes")
 
 
 class ErrorBody(BaseModel):
@@ -256,7 +268,8 @@ def make_app(daemon: Daemon, *, token: str | None = None, tokens: dict[str, str]
         await asyncio.to_thread(check)
 
     app = FastAPI(title="crabd", version="1", description="Recoverable sandboxes for AI agents.",
-                  responses=_ERRORS, dependencies=[Depends(owner_scope)])
+                  responses=_ERRORS, dependencies=[Depends(owner_scope)],
+                  generate_unique_id_function=lambda route: route.name)  # operationId = the handler's name
     app.add_middleware(_Guard, token=token, tokens=tokens)
 
     @app.exception_handler(CrabdError)
@@ -306,62 +319,83 @@ def make_app(daemon: Daemon, *, token: str | None = None, tokens: dict[str, str]
     # --- sandboxes ------------------------------------------------------------------
     @app.post("/v1/sandboxes", status_code=201)
     async def create_sandbox(body: SandboxCreate, owner: Owner) -> dict[str, Any]:
+        """A new sandbox from an image, started, with its initial checkpoint; 201 and the sandbox."""
         lim = Limits(**body.limits.model_dump()) if body.limits else Limits()
         row = await call(daemon.create_sandbox, body.image, name=body.name, limits=lim, owner=owner or "")
         return await call(daemon.sandbox_info, row.id)
 
     @app.get("/v1/sandboxes")
     async def list_sandboxes(owner: Owner) -> dict[str, Any]:
+        """Every sandbox the caller may see: `{"sandboxes": [...]}`."""
         rows = await call(daemon.store.list_sandboxes, owner)
         return {"sandboxes": [await call(daemon.sandbox_info, r.id) for r in rows]}
 
     @app.get("/v1/sandboxes/{sid}")
     async def get_sandbox(sid: Id, owner: Owner) -> dict[str, Any]:
+        """One sandbox: state, image, head checkpoint, branch, turn, limits."""
         return await call(daemon.sandbox_info, sid, owner)
 
     @app.delete("/v1/sandboxes/{sid}")
     async def delete_sandbox(sid: Id, owner: Owner) -> dict[str, Any]:
+        """Destroy the sandbox and its checkpoints (not the checkpoints its forks still use)."""
         await daemon.destroy(sid, owner)
         return {"removed": sid}
 
-    @app.post("/v1/sandboxes/{sid}/exec")
+    @app.post("/v1/sandboxes/{sid}/exec", name="exec")
     async def exec_(sid: Id, body: ExecIn, owner: Owner) -> dict[str, Any]:
+        """One agent turn: run `cmd`, then plan and start its checkpoint in the background. Replies at once
+        with `exit_code`, `stdout`, `stderr`, `turn`, `checkpoint`, `plan`, `reasons`, `stall_ms`, `branch`.
+        408 with the partial output on timeout."""
         return await daemon.exec(sid, body.cmd, timeout=body.timeout, env=body.env, cwd=body.cwd, stdin=body.stdin,
                                  owner=owner)
 
     @app.post("/v1/sandboxes/{sid}/turns/end")
     async def end_turn(sid: Id, owner: Owner) -> dict[str, Any]:
+        """An explicit turn boundary, for agents that run commands another way: checkpoint what changed since
+        the last one."""
         return await daemon.end_turn(sid, owner)
 
     # --- checkpoints -----------------------------------------------------------------
     @app.get("/v1/sandboxes/{sid}/checkpoints")
     async def list_checkpoints(sid: Id, owner: Owner, all: bool = False) -> dict[str, Any]:
+        """The sandbox's checkpoints, oldest first (`all=true`: failed ones too), each with why retention keeps
+        it."""
         return {"checkpoints": await call(daemon.list_checkpoints, sid, owner, all_states=all)}
 
     @app.post("/v1/sandboxes/{sid}/checkpoints", status_code=201)
     async def create_checkpoint(sid: Id, owner: Owner) -> dict[str, Any]:
+        """A manual checkpoint of the sandbox now (files and processes); 201 and the checkpoint."""
         return await daemon.checkpoint_now(sid, owner)
 
     @app.get("/v1/checkpoints/{cid}")
     async def get_checkpoint(cid: Id, owner: Owner) -> dict[str, Any]:
+        """One checkpoint: plan and reasons, effects seen, bytes, phase timings, parent, branch, state."""
         return await call(daemon.checkpoint_info, cid, owner)
 
     @app.delete("/v1/checkpoints/{cid}")
     async def delete_checkpoint(cid: Id, owner: Owner) -> dict[str, Any]:
+        """Delete a checkpoint; its children take its parent."""
         await call(daemon.delete_checkpoint, cid, owner)
         return {"removed": cid}
 
     @app.get("/v1/checkpoints/{a}/diff/{b}")
     async def diff(a: Id, b: Id, owner: Owner,
                    limit: int = Query(10_000, ge=1, le=1_000_000, description="at most this many changes")) -> dict[str, Any]:
+        """Files added, modified and deleted from checkpoint `a` to checkpoint `b` (at most `limit`; `total`
+        and `truncated` say how many there are)."""
         return await call(daemon.diff, a, b, owner, limit)
 
     @app.post("/v1/sandboxes/{sid}/rollback")
     async def rollback(sid: Id, body: RollbackIn, owner: Owner) -> dict[str, Any]:
+        """Roll the sandbox back to a checkpoint (id or sequence number; the newest complete one when omitted):
+        files and processes. A new branch starts there. The reply lists the external effects no rollback
+        undoes (`effects_not_undone`, `ledger`)."""
         return await daemon.rollback(sid, body.checkpoint, owner=owner)
 
     @app.post("/v1/checkpoints/{cid}/fork", status_code=201)
     async def fork(cid: Id, body: ForkIn, owner: Owner) -> dict[str, Any]:
+        """`count` new sandboxes from one checkpoint, each with its files and processes; 201 and `{"sandboxes":
+        [...]}`."""
         return await daemon.fork(cid, body.count, owner)
 
     # --- events, health, metrics ----------------------------------------------------------
@@ -435,11 +469,69 @@ def make_app(daemon: Daemon, *, token: str | None = None, tokens: dict[str, str]
 
     @app.get("/v1/health")
     async def health() -> dict[str, Any]:
+        """The daemon's health: ok, uptime, the snapshot driver and the inspector in use, sandboxes, store schema
+        version."""
         return daemon.health()
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
+        """Prometheus metrics (docs/reference/metrics.md)."""
         from .metrics import CONTENT_TYPE
         return Response(daemon.metrics.render(), media_type=CONTENT_TYPE)
 
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+            schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                                 routes=app.routes)
+            add_links(schema)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+# OpenAPI links: which reply field feeds which path parameter. They tell a
+# client (and a stateful fuzzer) that the id a create returns is the id the
+# other operations take, so generated sequences reach real sandboxes,
+# checkpoints and effects instead of 404.
+#   (method, path, status) -> [(JSON pointer in the reply, path parameter)]
+PRODUCERS: dict[tuple[str, str, str], list[tuple[str, str]]] = {
+    ("post", "/v1/sandboxes", "201"): [("/id", "sid")],
+    ("post", "/v1/checkpoints/{cid}/fork", "201"): [("/sandboxes/0/id", "sid")],
+    ("post", "/v1/sandboxes/{sid}/checkpoints", "201"): [("/id", "cid"), ("/id", "a"), ("/id", "b")],
+    ("post", "/v1/sandboxes/{sid}/exec", "200"): [("/checkpoint", "cid"), ("/checkpoint", "a"), ("/checkpoint", "b")],
+    ("post", "/v1/sandboxes/{sid}/effects/intent", "200"): [("/effect/id", "eid")],
+}
+
+
+def add_links(schema: dict[str, Any]) -> dict[str, Any]:
+    """Add the PRODUCERS' links to an OpenAPI document (in place). Every
+    operation with one of the produced parameters in its path is a target;
+    its other path parameters are taken from the producer's request when it
+    has them (a checkpoint's sandbox), else left to the caller."""
+    paths = schema.get("paths", {})
+    for (method, path, status), fields in PRODUCERS.items():
+        producer = paths.get(path, {}).get(method)
+        if producer is None:
+            continue
+        response = producer.setdefault("responses", {}).setdefault(status, {"description": "OK"})
+        links = response.setdefault("links", {})
+        own = {p for p in ("sid", "cid", "eid") if "{" + p + "}" in path}
+        for target_path, ops in paths.items():
+            for target_method, op in ops.items():
+                wanted = {n for n in ("sid", "cid", "a", "b", "eid") if "{" + n + "}" in target_path}
+                params = {name: f"$response.body#{ptr}" for ptr, name in fields if name in wanted}
+                if not params:
+                    continue
+                params.update({n: f"$request.path.{n}" for n in wanted - set(params) if n in own})
+                if set(params) != wanted:
+                    continue  # a parameter no reply or request of this producer gives
+                links[op["operationId"]] = {"operationId": op["operationId"], "parameters": params}
+        checkpoint = next((ptr for ptr, name in fields if name == "cid"), None)
+        if checkpoint is not None and "sid" in own:
+            # A checkpoint of this sandbox: roll the sandbox back to it.
+            links["rollback"] = {"operationId": "rollback", "parameters": {"sid": "$request.path.sid"},
+                                 "requestBody": {"checkpoint": f"$response.body#{checkpoint}"}}
+    return schema

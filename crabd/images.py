@@ -32,9 +32,11 @@ from typing import Callable, Iterable
 from .errors import AlreadyExists, CommandFailed, FailedPrecondition, InvalidArgument, NotFound
 from .runner import Runner, SubprocessRunner
 
-__all__ = ["Image", "ImageStore", "validate_name", "DEBIAN_PYTHON_PACKAGES"]
+__all__ = ["Image", "ImageStore", "validate_name", "NAME_PATTERN", "DEBIAN_PYTHON_PACKAGES"]
 
-_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+#: Image and sandbox names (also the API schema's pattern for them).
+NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
+_NAME = re.compile(NAME_PATTERN)
 
 # What `crabd image build debian` adds to minbase for a Python-capable image.
 DEBIAN_PYTHON_PACKAGES = ("python3", "python3-venv", "python3-pip", "git", "curl", "ca-certificates")

@@ -286,11 +286,13 @@ def read_processes(procs_file: Path) -> dict[str, dict[str, Any]]:
             with open(f"/proc/{hp}/cmdline", "rb") as f:
                 cmdline = f.read().rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace")
             page, shared = _regions(hp)
+            with open(f"/proc/{hp}/oom_score_adj") as f:
+                oom = f.read().strip()
         except OSError:
             continue
         ppid = int(st["PPid"])
         out[str(host_to_ns[hp])] = {
-            "ppid": host_to_ns.get(ppid, 0), "comm": st["Name"], "cmdline": cmdline,
+            "ppid": host_to_ns.get(ppid, 0), "comm": st["Name"], "cmdline": cmdline, "oom_score_adj": oom,
             "signals": {k: st.get(k, "") for k in ("SigPnd", "ShdPnd", "SigBlk", "SigIgn")},
             "page": page, "shared": shared}
     return out
@@ -499,8 +501,8 @@ def compare(truth: dict[str, Any], restored: dict[str, Any]) -> list[Difference]
         if t is None:
             out.append(Difference("process", pid, "not in truth (extra in checkpoint)", None, _proc_view(r)))
             continue
-        for k in ("ppid", "comm", "cmdline"):
-            if t[k] != r[k]:
+        for k in ("ppid", "comm", "cmdline", "oom_score_adj"):
+            if t.get(k) != r.get(k):
                 out.append(Difference("process", pid, k, t[k], r[k]))
         ran = _compare_pages(pid, t.get("page"), r.get("page"), out, prog)
         if t["signals"] != r["signals"] and not ran:

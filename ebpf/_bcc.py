@@ -9,13 +9,17 @@ implements is in `ebpf._loader`; `ebpf.testing.FakeLoader` is its fake.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import platform
 import threading
 from pathlib import Path
 
+from ebpf._btf import BtfError, fd_fs_offsets
 from ebpf._events import FILE_KINDS, FILE_KINDS_MAX, MAX_LEVELS, Event, decode, program_text
 from ebpf.errors import BPFUnavailable
+
+log = logging.getLogger(__name__)
 
 
 def kernel_headers_problem() -> str | None:
@@ -77,10 +81,26 @@ class BccLoader:
         # every sandbox's dropped count includes them (assume the worst).
         self._undecodable = 0
         self._pausing: set[int] = set()  # tags armed with begin_pause
+        self._fd_fs: dict[str, int] | None = None
+        self.fd_fs_problem: str | None = None
         self._pause_lock = threading.Lock()
 
     def program(self) -> str:
-        return program_text(self.follow_pids, self.count_writes)
+        return program_text(self.follow_pids, self.count_writes, self._offsets())
+
+    def _offsets(self) -> dict[str, int] | None:
+        """Kernel struct offsets for the landed-file-system check (see
+        ebpf/_btf.py); None, with the reason in `fd_fs_problem`, without BTF."""
+        if self._fd_fs is None:
+            try:
+                self._fd_fs = fd_fs_offsets()
+                self.fd_fs_problem = None
+            except BtfError as e:
+                log.warning("the inspector cannot tell where relative paths land (%s): "
+                            "the path rules and the tmpfs manifest alone apply", e)
+                self._fd_fs = {}
+                self.fd_fs_problem = str(e)
+        return self._fd_fs or None
 
     def open(self) -> None:
         if self._bpf is not None:

@@ -14,14 +14,13 @@ the BPF program records each path as the syscall passed it, so a write to
 `rel.txt` after `cd /dev/shm`, to `shm/x` after `cd /dev`, through a
 symlink `/work/shm -> /dev/shm`, through an `openat` dirfd, or through a
 shared mapping (no syscall at all), does not name the tmpfs. The choices:
-- Reading the mount a path landed on in the kernel (task->fs->pwd, the fd
-  table, the dentry's superblock) needs struct offsets, and bcc compiles
-  against Debian's 6.12 headers on a 6.18 kernel. Checked here: the
-  headers put `task_struct.fs` at byte 3040 (sizeof 9792), the running
-  kernel's BTF (/sys/kernel/btf/vmlinux) at 1816 (sizeof 3264); only
-  `fs_struct.pwd`, `dentry.d_sb` and `super_block.s_magic` agree. A wrong
-  offset reads garbage and says "rootfs": unsound in the one way that loses
-  data. Not done (offsets taken from BTF at load time would be the way).
+- Reading the mount a path landed on in the kernel: done for opens (the
+  new fd's file, at the open's exit; ebpf/_btf.py takes the struct offsets
+  from the running kernel's BTF, since bcc compiles against Debian's 6.12
+  headers on a 6.18 kernel and those offsets differ). It covers writes
+  through an fd that was opened for writing, not a shared mapping that
+  outlives its fd or a file opened in an earlier turn, and it is off
+  without BTF: the scan below stays the rule for tmpfs.
 - Resolving relative, dirfd and symlink paths from user space
   (/proc/PID/cwd, /proc/PID/fd/N at event time) is racy: the shell of
   `cd /dev/shm && echo x > f` has exited before the event is read.

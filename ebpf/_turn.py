@@ -24,6 +24,7 @@ from ebpf._events import (
     O_TMPFILE,
     Event,
     EventKind,
+    landed_scope,
 )
 from ebpf._proc import ProcInfo
 from ebpf.effects import (
@@ -217,8 +218,15 @@ class TurnRecorder:
                 return "outside"
         return path_scope(path) if path else "rootfs"
 
-    def _file(self, kind: str, shown: str, paths: list[tuple[str, int]]) -> None:
+    def _file(self, kind: str, shown: str, paths: list[tuple[str, int]], landed: str | None = None) -> None:
+        """`landed`: where the kernel says the (first) path's file is (an
+        open's fsmagic): it overrides a path that only looked like the root
+        file system (relative, through a dirfd or a symlink)."""
         scopes = {self._scope(p) for p, _dfd in paths}
+        if landed and self._scope(paths[0][0]) == "rootfs":
+            scopes.discard("rootfs")
+            scopes.add(landed)
+            shown = f"{shown} (on {landed} fs)"
         if "rootfs" in scopes:
             self._sample(self.files, kind, shown)
         for s in scopes - {"rootfs"}:
@@ -260,7 +268,8 @@ class TurnRecorder:
                 if self._fresh.pop(key, None) is not None:
                     self.transient += 1
                     return
-            self._file(FILE_KINDS[k], shown, paths)
+            landed = landed_scope(ev.fsmagic, ev.fsmode) if k == EventKind.OPEN_WRITE else None
+            self._file(FILE_KINDS[k], shown, paths, landed)
         elif k == EventKind.EXEC_ARGS:
             self._exec_args[ev.tid] = ev
         elif k == EventKind.EXEC:

@@ -46,6 +46,8 @@ struct event {
     u16 family;        /* sockaddr family (net events) */
     u16 port;          /* host byte order */
     u32 nargs;         /* exec: number of argv slots filled */
+    u32 fsmagic;       /* open for write: s_magic of the file system the file is on, 0 = unknown */
+    u32 fsmode;        /* open for write: the opened inode's i_mode */
     u8 addr[16];
     char comm[16];
     char path[PATH_LEN];
@@ -182,6 +184,87 @@ static __always_inline u32 sandbox_tag(void)
     return tag;
 }
 
+/* --- where a path landed, from the kernel's side ----------------------------------
+ * A path names a file the way the caller sees it: relative to a cwd or a
+ * directory fd, through symlinks. Which file system the file is on is only
+ * certain after the kernel resolved it: at the exit of an open, from the new
+ * fd's struct file (fd_fs), or for a relative path, which directory it is
+ * relative to (dir_id, part of the dedup key: the same relative name in
+ * another directory is another file). The struct offsets come from the
+ * running kernel's BTF (ebpf/_btf.py); without them (FD_FS = 0) both report
+ * nothing and the path rules alone apply. */
+static __always_inline void *kread_ptr(void *base, long off)
+{
+    void *v = 0;
+    if (base)
+        bpf_probe_read_kernel(&v, sizeof(v), (char *)base + off);
+    return v;
+}
+
+static __always_inline void *fd_file(long fd)
+{
+#if FD_FS
+    void *task = (void *)bpf_get_current_task();
+    void *fdt = kread_ptr(kread_ptr(task, OFF_TASK_FILES), OFF_FILES_FDT);
+    if (!fdt || fd < 0)
+        return 0;
+    u32 max = 0;
+    bpf_probe_read_kernel(&max, sizeof(max), (char *)fdt + OFF_FDT_MAX_FDS);
+    if ((u64)fd >= max)
+        return 0;
+    void **arr = kread_ptr(fdt, OFF_FDT_FD);
+    return kread_ptr(arr, fd * sizeof(void *));
+#else
+    return 0;
+#endif
+}
+
+static __always_inline void fd_fs(long fd, u32 *magic, u32 *mode)
+{
+#if FD_FS
+    void *inode = kread_ptr(fd_file(fd), OFF_FILE_INODE);
+    if (!inode)
+        return;
+    u16 m = 0;
+    unsigned long mg = 0;
+    bpf_probe_read_kernel(&m, sizeof(m), (char *)inode + OFF_INODE_MODE);
+    bpf_probe_read_kernel(&mg, sizeof(mg), (char *)kread_ptr(inode, OFF_INODE_SB) + OFF_SB_MAGIC);
+    *mode = m;
+    *magic = (u32)mg;
+#endif
+}
+
+/* The directory a relative path starts from: the cwd's dentry, or the
+ * dirfd's struct file; 0 when unknown. */
+static __always_inline u64 dir_id(s32 dfd)
+{
+#if FD_FS
+    if (dfd == AT_FDCWD_) {
+        void *task = (void *)bpf_get_current_task();
+        return (u64)kread_ptr(kread_ptr(task, OFF_TASK_FS), OFF_FS_PWD + OFF_PATH_DENTRY);
+    }
+    return (u64)fd_file(dfd);
+#else
+    return 0;
+#endif
+}
+
+/* Does an open that landed on (magic, mode) change state a file-system
+ * snapshot does not hold? Device nodes do not (whatever fs holds the node);
+ * proc, sysfs, cgroup fs, memory file systems do: the magics are
+ * ebpf._events.LANDED_SCOPE, generated into LANDS_SPECIAL_CASES. */
+static __always_inline u32 lands_special(u32 magic, u32 mode)
+{
+    u32 fmt = mode & 0170000;
+    if (!magic || fmt == 0020000 || fmt == 0060000) /* unknown, chr, blk */
+        return 0;
+    switch (magic) {
+    LANDS_SPECIAL_CASES
+        return 1;
+    }
+    return 0;
+}
+
 static __always_inline void count_drop(u32 tag)
 {
     int k = tag;
@@ -210,6 +293,8 @@ static __always_inline struct event *new_event(u32 tag, u32 kind)
     e->family = 0;
     e->port = 0;
     e->nargs = 0;
+    e->fsmagic = 0;
+    e->fsmode = 0;
     __builtin_memset(e->addr, 0, sizeof(e->addr));
     bpf_get_current_comm(e->comm, sizeof(e->comm));
     e->path[0] = 0;
@@ -304,6 +389,17 @@ static __always_inline int may_emit(u32 tag, u32 kind)
     return 0;
 }
 
+/* A relative path's hash also names its starting directory (see dir_id).
+ * Reads the string path_hash() just left in `scratch`. */
+static __always_inline u64 rel_hash(u64 h, s32 dfd)
+{
+    int z = 0;
+    struct pathbuf *b = scratch.lookup(&z);
+    if (!h || !b || b->s[0] == '/')
+        return h;
+    return (h ^ (dir_id(dfd) * 1099511628211ULL)) | 1;
+}
+
 static __always_inline int stash(u32 kind, s32 dfd, const void *path,
                                  s32 dfd2, const void *path2, s64 arg)
 {
@@ -313,14 +409,14 @@ static __always_inline int stash(u32 kind, s32 dfd, const void *path,
     struct pending p = {};
     u64 pt = bpf_get_current_pid_tgid();
     if (kind != EV_UNLINK && kind != EV_RMDIR && !path2) {
-        p.hash = path_hash(path);
+        p.hash = rel_hash(path_hash(path), dfd);
         struct seen_key k = {tag, (u32)(pt >> 32), key_dfd(dfd), kind, p.hash};
         u64 *v = seen.lookup(&k);
         if (v && *v == epoch_of(tag))
             return 0; /* already recorded this turn */
         p.dedup = 1;
     } else if (kind == EV_UNLINK || kind == EV_RMDIR) {
-        p.hash = path_hash(path);
+        p.hash = rel_hash(path_hash(path), dfd);
     }
     p.special = is_special(path) || is_special(path2);
     p.keydfd = p.hash ? key_dfd(dfd) : dfd;
@@ -357,11 +453,16 @@ static __always_inline int finish(long ret)
         k.kind = EV_MKDIR;
         seen.delete(&k);
     }
-    if (!q.special && !may_emit(q.tag, q.kind))
+    u32 magic = 0, mode = 0;
+    if (q.kind == EV_OPEN_WRITE)
+        fd_fs(ret, &magic, &mode);
+    if (!q.special && !lands_special(magic, mode) && !may_emit(q.tag, q.kind))
         return 0;
     struct event *e = new_event(q.tag, q.kind);
     if (!e)
         return 0;
+    e->fsmagic = magic;
+    e->fsmode = mode;
     e->ret = ret;
     e->arg = q.arg;
     e->dfd = q.dfd;

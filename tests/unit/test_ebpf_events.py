@@ -23,8 +23,8 @@ def raw(kind, **kw) -> bytes:
 
 
 def test_struct_size_matches_c_layout():
-    # 8 + 4*4 + 8*2 + 4*2 + 2*2 + 4 + 16 + 16 + 256*2
-    assert ctypes.sizeof(RawEvent) == 8 + 16 + 16 + 8 + 4 + 4 + 16 + 16 + 512
+    # ts; tag kind pid tid; ret arg; dfd dfd2; family port; nargs fsmagic fsmode; addr; comm; paths
+    assert ctypes.sizeof(RawEvent) == 8 + 16 + 16 + 8 + 4 + 12 + 16 + 16 + 512
 
 
 def test_decode_file_event():
@@ -69,3 +69,12 @@ def test_write_counters_can_be_compiled_out():
     assert "#define COUNT_WRITES (1)" in program_text()
     assert "#define COUNT_WRITES (0)" in program_text(count_writes=False)
     assert "#if COUNT_WRITES" in program_text()
+
+
+def test_landed_scope():
+    from ebpf._events import landed_scope
+    assert landed_scope(0x9FA0, 0o100644) == "kernel"     # proc
+    assert landed_scope(0x01021994, 0o100644) == "tmpfs"
+    assert landed_scope(0x01021994, 0o020666) is None     # /dev/null: a device node on tmpfs
+    assert landed_scope(0xEF53, 0o100644) is None         # ext4: the snapshot holds it
+    assert landed_scope(0, 0) is None                     # unknown

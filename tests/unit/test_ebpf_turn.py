@@ -49,3 +49,19 @@ def test_package_manager(filename, argv, pm):
 ])
 def test_external_tool(filename, argv, ext):
     assert external_tool(filename, argv) == ext
+
+
+def test_an_open_the_kernel_saw_land_on_proc_is_kernel_state():
+    from ebpf._events import Event, EventKind
+    from ebpf._turn import TurnRecorder
+    O_WRONLY = 1
+    r = TurnRecorder()
+    # relative path, but the kernel says: proc
+    r.add(Event(EventKind.OPEN_WRITE, tag=1, pid=5, path="oom_score_adj", arg=O_WRONLY, fsmagic=0x9FA0, fsmode=0o100644))
+    # a device node on a tmpfs: not state
+    r.add(Event(EventKind.OPEN_WRITE, tag=1, pid=5, path="null", arg=O_WRONLY, fsmagic=0x01021994, fsmode=0o020666))
+    # the root file system by the kernel's word too
+    r.add(Event(EventKind.OPEN_WRITE, tag=1, pid=5, path="a.txt", arg=O_WRONLY, fsmagic=0xEF53, fsmode=0o100644))
+    assert r.special["kernel"].count == 1 and "oom_score_adj (on kernel fs)" in r.special["kernel"].sample
+    assert "tmpfs" not in r.special
+    assert r.files["write"].count == 2  # null and a.txt: paths alone say rootfs
