@@ -59,16 +59,6 @@ class EventKind(str, Enum):
     EFFECTS_NOT_UNDONE = "effects.not_undone"
     LEDGER_FAILED = "ledger.failed"
 
-    @classmethod
-    def of_decision(cls, decision: str) -> EventKind:
-        """The event of an intent the ledger decided (`Decision.action`)."""
-        return cls.EFFECT_INTENT if decision == "execute" else cls(f"effect.{decision}")
-
-    @classmethod
-    def of_outcome(cls, state: str, reconciled: bool) -> EventKind:
-        """The event of an effect finished in `state` (committed, failed, unknown)."""
-        return cls.EFFECT_RECONCILED if reconciled else cls(f"effect.{state}")
-
 
 class EventBus:
     """Records events in the store and wakes whoever waits for one."""
@@ -81,9 +71,11 @@ class EventBus:
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
 
-    def emit(self, kind: EventKind, sandbox_id: str | None = None, **data: Any) -> None:
-        """Record an event (any thread)."""
-        self.store.add_event(kind.value, sandbox_id, **data)
+    def emit(self, kind: EventKind | str, sandbox_id: str | None = None, **data: Any) -> None:
+        """Record an event (any thread). A kind made from a value (the
+        ledger's `f"effect.{decision}"`) must be one of `EventKind`'s:
+        ValueError otherwise, so that the enum stays the list of all kinds."""
+        self.store.add_event(EventKind(kind).value, sandbox_id, **data)
         if self.loop is not None:
             def wake() -> None:
                 for ev in list(self._waiters):

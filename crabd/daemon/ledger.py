@@ -77,7 +77,7 @@ class LedgerGlue(DaemonBase):
             self.events.emit(EventKind.EFFECT_INTENT, row.id, effect=out["effect"]["id"], op=op, key=key,
                              retry=out["retry"])
         else:
-            self.events.emit(EventKind.of_decision(out["decision"]), row.id, effect=out["matched"], op=op, key=key,
+            self.events.emit(f"effect.{out['decision']}", row.id, effect=out["matched"], op=op, key=key,
                              matched_by=out["matched_by"])
         return out
 
@@ -85,6 +85,6 @@ class LedgerGlue(DaemonBase):
                       error: str | None = None, reconciled: bool = False) -> dict[str, Any]:
         e = self.ledger.finish(eid, state, receipt=receipt, result_digest=result_digest, error=error,
                                reconciled=reconciled)
-        self.events.emit(EventKind.of_outcome(state, reconciled), e["sandbox_id"], effect=eid, op=e["op"],
-                         key=e["key"], state=e["state"])
+        self.events.emit(f"effect.{'reconciled' if reconciled else state}", e["sandbox_id"], effect=eid,
+                         op=e["op"], key=e["key"], state=e["state"])
         return e
