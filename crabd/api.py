@@ -9,7 +9,6 @@ The OpenAPI document is at /openapi.json.
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
 import logging
 import sqlite3
@@ -22,7 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, WithJsonSchema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .daemon import Daemon
+from .daemon import Daemon, is_disk_full
 from .errors import CrabdError, ExecTimeout, InvalidArgument, NotFound
 from .images import NAME_PATTERN
 from .runtime import Limits
@@ -304,7 +303,7 @@ def make_app(daemon: Daemon, *, token: str | None = None, tokens: dict[str, str]
     @app.exception_handler(sqlite3.Error)
     async def storage_error(request: Request, e: Exception) -> JSONResponse:
         logging.getLogger("crabd").warning("%s %s failed: %s", request.method, request.url.path, e, exc_info=e)
-        if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "disk is full" in str(e):
+        if is_disk_full(e):
             return _err(507, "disk_full", f"crabd's state file system is full: {e}",
                         "free space in the state directory: delete sandboxes or checkpoints that hold big "
                         "files (a rm inside a sandbox frees nothing its checkpoints still hold)")

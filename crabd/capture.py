@@ -24,25 +24,41 @@ that runs after a restart in another mode still does what was planned.
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Iterable
 
-__all__ = ["MODES", "FS_ONLY_REASON", "FULL_REASON", "apply_mode"]
+__all__ = ["CaptureMode", "MODES", "FS_ONLY_REASON", "FULL_REASON", "apply_mode", "processes_skipped"]
 
-MODES = ("auto", "fs-only", "full")
+
+class CaptureMode(str, Enum):
+    AUTO = "auto"
+    FS_ONLY = "fs-only"
+    FULL = "full"
+
+
+MODES = tuple(m.value for m in CaptureMode)
 FS_ONLY_REASON = "capture mode fs-only: processes not dumped"
 FULL_REASON = "capture mode full: files and processes checkpointed every turn"
 
 
-def apply_mode(kind: str, reasons: Iterable[str], mode: str) -> tuple[str, list[str]]:
+def apply_mode(kind: str, reasons: Iterable[str], mode: str | CaptureMode) -> tuple[str, list[str]]:
     """The plan a checkpoint gets under capture `mode`, from the classifier's `kind`. Pure."""
     reasons = list(reasons)
-    if mode == "auto":
-        return kind, reasons
-    if mode == "fs-only":
-        if kind == "FS_PROC":
-            return "FS", reasons + [FS_ONLY_REASON]
-        return kind, reasons
-    if mode == "full":
+    try:
+        m = CaptureMode(mode)
+    except ValueError:
+        raise ValueError(f"unknown capture mode {mode!r}: one of {', '.join(MODES)}") from None
+    if m is CaptureMode.FS_ONLY and kind == "FS_PROC":
+        return "FS", reasons + [FS_ONLY_REASON]
+    if m is CaptureMode.FULL:
         return "FS_PROC", reasons + [FULL_REASON]
-    raise ValueError(f"unknown capture mode {mode!r}: one of {', '.join(MODES)}")
+    return kind, reasons
+
+
+def processes_skipped(reasons: Iterable[str] | None) -> bool:
+    """Did capture mode fs-only turn this checkpoint's FS_PROC plan into FS?
+    Then the turn ran the sandbox's processes and the checkpoint must not
+    inherit its parent's process image. (Read from the reasons, where
+    `apply_mode` wrote it: the mode the checkpoint was opened under.)"""
+    return FS_ONLY_REASON in (reasons or ())
 

@@ -173,7 +173,7 @@ def check_criu(state_dir: Path) -> Check:
 
 def check_criu_stopped_tasks(state_dir: Path) -> Check:
     """A host property: on a cgroup v1 freezer, a stopped task cannot be dumped."""
-    from .runtime.process import STOPPED_TASK_LIMIT
+    from .runtime.criu import STOPPED_TASK_LIMIT
     lay = detect_layout()
     if lay.v1_freezer is None:
         return Check("criu-stopped-tasks", OK, "cgroup v2 freezer: the v1 freezer's hang seizing stopped (SIGSTOP) "

@@ -4,7 +4,7 @@ crabd's promise is that checkpoint k restores exactly the sandbox's state at
 its capture instant. This module lets a benchmark check that promise:
 
 * `record_at_capture` is the daemon's one hook (`crabd serve --oracle DIR`,
-  called from `Daemon._capture`): while the sandbox's cgroup is frozen at the
+  called from `Daemon._capture`, crabd/daemon/pipeline.py): while the sandbox's cgroup is frozen at the
   very instant crabd captures checkpoint k (inside crabd's own freeze for FS
   and FS_PROC; for SKIP, which takes no freeze, inside one the oracle takes
   right before the commit, with the inspector told as for crabd's own pause),

@@ -1,6 +1,6 @@
 """Which automatic recovery to try next for a sandbox that died: pure policy.
 
-The daemon's death watch (crabd/daemon.py `watch_deaths`) rolls a dead
+The daemon's death watch (crabd/daemon/deathwatch.py `watch_deaths`) rolls a dead
 sandbox back to its recovery target. A target can keep dying: its restored
 processes crash at once, or something on the host kills them as they appear
 (the OOM killer on a sandbox whose checkpoint is already near its limit). So

@@ -137,7 +137,7 @@ MIGRATIONS: list[str] = [
     );
     """,
     # 3: seals of a checkpoint's committed layer and process image (JSON; see
-    # crabd.daemon._seal_row), recorded at commit and covered by the digest
+    # crabd.daemon.integrity.Integrity.seal_row), recorded at commit and covered by the digest
     """
     ALTER TABLE checkpoints ADD COLUMN seals TEXT;
     """,
@@ -223,7 +223,7 @@ def _nocow_wal_index(db: Path) -> None:
     the daemon. NOCOW pages are overwritten in place: SQLite allocates them
     when it grows the index (a write() that can fail cleanly), and a fault
     needs no new data block -- still some metadata, so the daemon also keeps
-    headroom (Daemon._make_room). The flag only takes on an empty file: a -shm left
+    headroom (crabd.daemon.space.SpaceReserve.make_room). The flag only takes on an empty file: a -shm left
     by a crash is removed first when no process uses it (SQLite rebuilds it
     from the WAL). No-op on file systems without the flag."""
     import array

@@ -7,18 +7,25 @@ unified (v2) hierarchy too -- which is what BPF attribution keys on.
 Freezing writes the cgroup's freezer file directly instead of running
 `runc pause` (a process spawn, ~10 ms): a freeze+thaw of a small sandbox
 costs ~0.3 ms this way, and it is on the checkpoint's critical path.
+
+Sweeps: a hot standby (`standby.py`) has cgroups of its own,
+`/crabd/<sandbox id>.<token>` in every hierarchy; `sweep_cgroup` kills what
+is left in one and removes it, `sweep_standby_cgroups` removes the empty ones
+of standbys that are gone (e.g. made by a runc restore that outlived a
+killed crabd).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import FailedPrecondition
 
-__all__ = ["CgroupLayout", "detect_layout", "Freezer"]
+__all__ = ["CgroupLayout", "detect_layout", "Freezer", "copy_limits", "sweep_cgroup", "sweep_standby_cgroups"]
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -107,3 +114,85 @@ class Freezer:
                 raise FailedPrecondition(f"cgroup {what} did not complete within {timeout}s")
             time.sleep(delay)
             delay = min(delay * 2, 0.01)
+
+
+def copy_limits(src: Path, dst: Path) -> None:
+    """Give cgroup `dst` the resource limits of `src` (those runc sets)."""
+    # cpuset first: a v1 cpuset cgroup with no cpus refuses tasks (ENOSPC).
+    for name in ("cpuset.cpus", "cpuset.mems", "memory.limit_in_bytes", "pids.max", "cpu.cfs_period_us",
+                 "cpu.cfs_quota_us", "memory.max", "cpu.max"):
+        try:
+            v = (src / name).read_text().strip()
+            (dst / name).write_text(v)
+        except OSError:
+            pass
+
+
+def sweep_cgroup(rel: str, kill: bool = True) -> None:
+    """Kill whatever is left in cgroup `rel` (every hierarchy, the unified
+    one included: runc delete may leave that one) and remove it.
+    kill=False (after a standby's promotion): only remove the empty ones."""
+    from .sandbox import reap
+    cgs = [c / rel.lstrip("/") for c in CGROUP_ROOT.iterdir()]
+    cgs = [c for c in cgs if c.is_dir()]
+    if not kill:
+        for c in cgs:
+            try:
+                os.rmdir(c)
+            except OSError:
+                pass
+        return
+    for c in cgs:  # thaw (a frozen task ignores SIGKILL until thawed), then kill
+        for name, val in (("freezer.state", "THAWED"), ("cgroup.freeze", "0")):
+            try:
+                (c / name).write_text(val)
+            except OSError:
+                pass
+    killed: set[int] = set()
+    for c in cgs:
+        try:
+            pids = [int(x) for x in (c / "cgroup.procs").read_text().split()]
+        except (OSError, ValueError):
+            pids = []
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + 5
+    for c in cgs:
+        while True:
+            try:
+                os.rmdir(c)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    break
+                # Killed tasks still exiting; a zombie child of crabd (the
+                # subreaper) keeps a v2 cgroup populated until reaped.
+                for pid in killed:
+                    reap(pid)
+                time.sleep(0.05)
+
+
+def sweep_standby_cgroups(sandbox_id: str, keep: frozenset[str] | set[str] = frozenset()) -> int:
+    """Remove the empty cgroups `/crabd/<sandbox_id>.<token>` (every
+    hierarchy) of standbys that are gone (tokens not in `keep`). Returns how
+    many went."""
+    n = 0
+    for h in CGROUP_ROOT.iterdir():
+        base = h / "crabd"
+        if not base.is_dir():
+            continue
+        for c in base.glob(f"{sandbox_id}.*"):
+            if c.name.partition(".")[2] in keep or not c.is_dir():
+                continue
+            try:
+                os.rmdir(c)
+                n += 1
+            except OSError:
+                pass
+    return n

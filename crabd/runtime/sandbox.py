@@ -692,7 +692,7 @@ _CRIU_COMMS = ("criu", "ld-linux-x86-64")
 
 class AdoptedReaper:
     """Reaps the zombie children crabd adopted as a child subreaper and that
-    nobody else waits for; run periodically (crabd/daemon.py's death watch).
+    nobody else waits for; run periodically (crabd/daemon/deathwatch.py).
 
     Adopted, never started by crabd: every sandbox init (`runc create`'s
     child), the tree of every CRIU restore (`runc restore --detach`), exec
@@ -805,7 +805,7 @@ def _other_time_ns(pid: int | None) -> bool:
     """Is `pid` (a sandbox's init) in a time namespace other than crabd's?
     True after a CRIU restore; False when unknown (no pid, gone, or a
     kernel without time namespaces): the dump-time check in
-    runtime/process.py still refuses a tree that spans two."""
+    runtime/criu.py still refuses a tree that spans two."""
     if not pid:
         return False
     try:

@@ -235,11 +235,12 @@ def test_api_routes_and_input_errors(tmp_path):
 
     from crabd.api import make_app
     from crabd.daemon import Daemon
+    from crabd.daemon.events import EventBus
 
     st = Store(tmp_path)
     st.add_sandbox(SandboxRow(id="sb1", name="sb1", image="busybox", fs_key="k", lineage="sb1", head="sb1-1"))
     d = Daemon.__new__(Daemon)  # the ledger methods only: store, ledger, events
-    d.store, d.ledger, d._loop, d._event_waiters = st, Ledger(st), None, set()
+    d.store, d.ledger, d.events = st, Ledger(st), EventBus(st)
     app = make_app(d, token="t0123456789abcdef")
 
     async def go(*calls: tuple[str, str, dict | bytes | None]) -> list[httpx.Response]:
@@ -330,11 +331,12 @@ def _in_process_clients(tmp_path):
     from crabd.api import make_app
     from crabd.client import AsyncClient, Client
     from crabd.daemon import Daemon
+    from crabd.daemon.events import EventBus
 
     st = Store(tmp_path)
     st.add_sandbox(SandboxRow(id="sb1", name="sb1", image="busybox", fs_key="k", lineage="sb1", head="sb1-1"))
     d = Daemon.__new__(Daemon)
-    d.store, d.ledger, d._loop, d._event_waiters = st, Ledger(st), None, set()
+    d.store, d.ledger, d.events = st, Ledger(st), EventBus(st)
     app = make_app(d, token="t0123456789abcdef")
     auth = {"authorization": "Bearer t0123456789abcdef"}
     c = Client.__new__(Client)

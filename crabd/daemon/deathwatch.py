@@ -1,0 +1,158 @@
+"""The death watch: sandboxes whose init died (OOM kill, crash) are noticed
+and, per policy, rolled back to their last complete checkpoint.
+
+Part of `crabd.daemon`. `watch_deaths` runs as a task beside the API
+(`crabd/serve.py`); it also reaps what crabd, a child subreaper, adopted. The
+choice of what to try next after a death is pure (`crabd/recovery.py`):
+bounded, never a loop of restores of a target that keeps dying.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from ..errors import NotFound
+from ..runtime import pid_alive, reap
+from ..store import CheckpointRow
+from .base import DaemonBase, Turns
+from .events import EventKind
+
+log = logging.getLogger("crabd")
+
+__all__ = ["DeathWatch"]
+
+
+class DeathWatch(DaemonBase):
+    async def watch_deaths(self, interval: float = 0.5) -> None:
+        """Notice sandboxes whose init died (OOM kill, crash) and, per policy,
+        roll them back to their last committed checkpoint; reap what crabd
+        (a child subreaper) adopted meanwhile."""
+        while True:
+            await asyncio.sleep(interval)
+            self._reap_adopted()
+            for sid, t in list(self.turns.items()):
+                if t.recovering or t.gave_up or t.lock.locked():
+                    continue
+                why = t.died
+                if why is None:
+                    if t.init_pid is None or pid_alive(t.init_pid):
+                        continue
+                    reap(t.init_pid)
+                    try:
+                        sb = await asyncio.to_thread(self.runtime.get, sid)
+                    except NotFound:
+                        continue
+                    if sb.status == "running":
+                        t.init_pid = sb.pid
+                        continue
+                    why = f"init exited ({sb.status})"
+                t.died = None
+                await self._sandbox_died(sid, t, why)
+
+    def _reap_adopted(self) -> None:
+        """Reap the zombies crabd adopted (sandbox inits, CRIU's restored
+        trees, runc stages) -- all but the inits the watch itself reaps."""
+        try:
+            reaped = self._reaper.reap(skip={t.init_pid for t in self.turns.values() if t.init_pid})
+        except OSError as e:
+            log.warning("reaping adopted processes: %s", e)
+            return
+        if reaped:
+            log.info("reaped %d adopted process(es): %s", len(reaped), reaped)
+
+    async def _sandbox_died(self, sid: str, t: Turns, why: str) -> None:
+        data: dict[str, Any] = {"reason": why}
+        if t.recoveries:  # dying again soon after a recovery: say after which
+            last = t.recoveries[-1]
+            data.update(after_recovery_to=last.checkpoint,
+                        after_recovery_s=round(time.monotonic() - last.at, 3))
+        t.init_pid = None  # reaped, and nothing to watch until a rollback starts it again
+        self.store.update_sandbox(sid, state="dead")
+        self.events.emit(EventKind.SANDBOX_DIED, sid, **data)
+        if self.options.auto_rollback:
+            await self._auto_recover(sid)
+
+    async def _after_rollback(self, t: Turns, sid: str) -> None:
+        """Record the rolled-back sandbox's init for the death watch. A
+        sandbox already not running (its restored processes were killed as
+        they appeared) is marked dead for the watch, not left unwatched."""
+        sb = await asyncio.to_thread(self.runtime.get, sid)
+        t.init_pid = sb.pid
+        t.died = None
+        if sb.status != "running" or (sb.pid is not None and not pid_alive(sb.pid)):
+            t.died = f"its restored processes died during the rollback (runc: {sb.status})"
+        if not t.recovering:  # a rollback asked for by hand starts automatic recovery over
+            t.recoveries.clear()
+            t.gave_up = False
+
+    async def _auto_recover(self, sid: str) -> None:
+        """Roll a dead sandbox back, trying the options of crabd.recovery's
+        plan in turn: bounded, never a loop of restores of a target that
+        keeps dying."""
+        from ..recovery import Attempt, RecoveryPlan
+        t = self.turns.get(sid)
+        if t is None:
+            return  # destroyed meanwhile
+        t.recovering = True
+        try:
+            try:
+                target, older = await asyncio.to_thread(self._recovery_targets, sid)
+            except NotFound:
+                return  # destroyed, or nothing committed to go back to
+            plan, now = RecoveryPlan(), time.monotonic()
+            t.recoveries = plan.recent(t.recoveries, now)
+            opt = plan.next(t.recoveries, target=target.id, older=older, now=now,
+                            target_has_processes=bool(target.proc_image))
+            if opt is None:
+                t.gave_up = True
+                self.events.emit(EventKind.SANDBOX_RECOVERY_GAVE_UP, sid, attempts=[
+                    {"checkpoint": a.checkpoint, "processes": a.processes} for a in t.recoveries],
+                    fix=f"crabd rollback {sid} [checkpoint] once the cause is found (the sandbox stays dead)")
+                return
+            if opt.fallback:
+                self.events.emit(EventKind.SANDBOX_RECOVERY_FALLBACK, sid, checkpoint=opt.checkpoint,
+                                 processes=opt.processes, instead_of=target.id,
+                                 reason=f"recoveries to {target.id} kept dying")
+            t.recoveries.append(Attempt(time.monotonic(), opt.checkpoint, opt.processes))
+            try:
+                await self.rollback(sid, opt.checkpoint, reason="automatic recovery after the sandbox died",
+                                    processes=opt.processes, only_if_dead=True)
+            except NotFound:
+                pass  # destroyed while it waited: nothing to recover
+            except Exception as e:
+                log.exception("automatic rollback of %s failed", sid)
+                self.events.emit(EventKind.SANDBOX_RECOVERY_FAILED, sid, checkpoint=opt.checkpoint, error=str(e))
+                if sid in self.turns:
+                    pid = await asyncio.to_thread(self._live_init, sid)
+                    if pid is None:  # still dead: the next option, on the watch's next round
+                        t.died = f"its automatic recovery failed: {e}"
+                    else:
+                        t.init_pid = pid
+        finally:
+            t.recovering = False
+
+    def _recovery_targets(self, sid: str) -> tuple[CheckpointRow, str | None]:
+        """The recovery target, and the complete checkpoint before it if that
+        one has processes to restore (a fallback of crabd.recovery's plan)."""
+        row = self.store.get_sandbox(sid)
+        target = self._latest_committed(row)
+        older: str | None = None
+        if target.parent:
+            from dataclasses import replace
+            try:
+                prev = self._latest_committed(replace(row, head=target.parent))
+                older = prev.id if prev.proc_image else None
+            except NotFound:
+                pass
+        return target, older
+
+    def _live_init(self, sid: str) -> int | None:
+        """The sandbox's init pid if it runs (worker thread: asks runc)."""
+        try:
+            sb = self.runtime.get(sid)
+        except NotFound:
+            return None
+        return sb.pid if sb.status == "running" and sb.pid and pid_alive(sb.pid) else None

@@ -1,0 +1,202 @@
+"""Rollback and fork: a sandbox back to an earlier checkpoint, or new
+sandboxes from one.
+
+Part of `crabd.daemon`. Rollback to n: verify n's seals -> stop -> a new
+root snapshot on n's files -> restore n's processes (a promotion of the hot
+standby when it holds n: `standbys.py`; else CRIU; else a fresh init) -> a
+new branch recorded. The reply lists the external effects recorded after n,
+which no rollback can undo (`ledger.py`). Fork makes new sandboxes the same
+way (`sandboxes.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from deltafs.snapshotter import chaos_point  # CRABD_CHAOS: bench/chaos.py's kill points
+
+from ..errors import CrabdError, FailedPrecondition, InvalidArgument, NotFound
+from ..runtime import Limits
+from ..store import CheckpointRow, SandboxRow
+from .base import DaemonBase, Turns
+from .events import EventKind
+from .names import new_root_key
+from .plans import BLIND_RESTORED, is_complete
+
+log = logging.getLogger("crabd")
+
+__all__ = ["Rollback"]
+
+
+class Rollback(DaemonBase):
+    async def rollback(self, ref: str, checkpoint: str | int | None, owner: str | None = None,
+                       reason: str = "requested", processes: bool = True,
+                       only_if_dead: bool = False) -> dict[str, Any] | None:
+        row = self._own(await asyncio.to_thread(self.store.get_sandbox, ref), owner)
+        t = self.turns.setdefault(row.id, Turns())
+        t0 = time.monotonic()
+        async with t.lock:
+            if only_if_dead and await asyncio.to_thread(self._live_init, row.id) is not None:
+                return None  # an automatic recovery that a rollback by hand made moot while it waited
+            self.scheduler.cancel(row.id)
+            await self._wait_capture(t)
+            try:
+                out = await asyncio.to_thread(self._rollback_sync, row.id, checkpoint, reason, processes)
+            except Exception:
+                self.metrics.rollbacks.labels(result="failed").inc()
+                raise
+            finally:
+                # The cancel above dropped the sandbox's queued sizing too: the
+                # checkpoints still get their bytes counted.
+                for cid, (sid, extra) in list(self._sizing_queued.items()):
+                    if sid == row.id:
+                        self._schedule_sizing(sid, cid, extra)
+            t.last_end = None
+            # The sandbox is the target's state now; restored processes ran
+            # before the inspector watched them again (see BLIND_RESTORED).
+            t.blind = BLIND_RESTORED if "proc" in out.get("restored", "") else None
+            await self._after_rollback(t, row.id)
+        self.metrics.rollbacks.labels(result="ok").inc()
+        out["duration_ms"] = round((time.monotonic() - t0) * 1000, 3)
+        return out
+
+    def _latest_committed(self, row: SandboxRow) -> CheckpointRow:
+        """The newest complete checkpoint on the sandbox's current line.
+
+        Complete = committed, and holding everything its plan asked for: an
+        FS_PROC checkpoint whose CRIU dump failed has the files but not the
+        processes, so recovery prefers an older complete one (an explicit
+        rollback to it is still allowed: files plus a fresh init). Nor is the
+        checkpoint of a turn the sandbox died in (plans.is_complete)."""
+        cid: str | None = row.head
+        fallback: CheckpointRow | None = None
+        while cid:
+            c = self.store.get_checkpoint(cid)
+            if c.state == "committed" and c.fs_snapshot:
+                if is_complete(c):
+                    return c
+                fallback = fallback or c
+            cid = c.parent
+        if fallback is not None:
+            return fallback
+        raise NotFound(f"sandbox {row.id} has no committed checkpoint")
+
+    @staticmethod
+    def _require_files(ck: CheckpointRow) -> None:
+        """A rollback or fork target must hold files to start from: a failed
+        or discarded checkpoint never does, nor a row an older crabd
+        committed on top of one (it would start an empty root)."""
+        if ck.state != "committed":
+            raise FailedPrecondition(f"checkpoint {ck.id} is {ck.state}, not committed: it holds no state",
+                                     fix=f"roll back to a committed checkpoint (GET /v1/sandboxes/{ck.sandbox_id}"
+                                         "/checkpoints lists them)")
+        if not ck.fs_snapshot:
+            raise FailedPrecondition(f"checkpoint {ck.id} holds no file-system snapshot (its parent never became "
+                                     "durable)", fix="roll back to an older committed checkpoint")
+
+    def _rollback_sync(self, sid: str, ref: str | int | None, reason: str, processes: bool = True) -> dict[str, Any]:
+        """Roll back to `ref` (None: the recovery target); processes=False
+        starts a fresh init on its files (a recovery's fallback)."""
+        row = self.store.get_sandbox(sid)
+        ck = self._latest_committed(row) if ref is None else self.resolve_checkpoint(sid, ref)
+        self._require_files(ck)
+        self.integrity.verify(ck)  # before anything of the sandbox is stopped or replaced
+        timing: dict[str, float] = {}
+        try:
+            self.inspector.unwatch(sid)
+        except Exception:
+            pass
+        promoted = self._promote_standby(sid, ck, row, timing) if processes else None
+        if promoted is not None:
+            return self._finish_rollback(sid, row, ck, promoted, "fs+proc (hot standby)", timing, reason)
+        t = time.monotonic()
+        self.runtime.stop(sid)
+        timing["stop"] = time.monotonic() - t
+        chaos_point("rollback")
+        t = time.monotonic()
+        self.runtime.unmount_root(sid)
+        new_key = new_root_key()
+        mounts = self.fs.prepare(new_key, parent=ck.fs_snapshot)
+        # The store names the new root before the runtime mounts it: a crash
+        # from here on leaves the old key unnamed (removed at restart), never
+        # a mounted root the store does not know.
+        self.store.update_sandbox(sid, fs_key=new_key)
+        self.runtime.set_root(sid, mounts)
+        self._remove_snapshot(row.fs_key)
+        timing["fs"] = time.monotonic() - t
+        t = time.monotonic()
+        restored = self._start_from(sid, ck, processes)
+        timing["start"] = time.monotonic() - t
+        return self._finish_rollback(sid, row, ck, new_key, restored, timing, reason)
+
+    def _finish_rollback(self, sid: str, row: SandboxRow, ck: CheckpointRow, new_key: str, restored: str,
+                         timing: dict[str, float], reason: str) -> dict[str, Any]:
+        not_undone = self._effects_after(row.head, ck.id)
+        ledger = self._ledger_report(sid, row, ck)
+        with self.store.transaction():
+            self.store.update_sandbox(sid, fs_key=new_key, head=ck.id, branch=row.branch + 1, state="running")
+        self._watch(sid)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._schedule_standby_refresh, sid)
+        self.events.emit(EventKind.SANDBOX_ROLLED_BACK, sid, checkpoint=ck.id, reason=reason, branch=row.branch + 1,
+                         restored=restored, effects_not_undone=not_undone)
+        if ledger["committed_after"] or ledger["unknown"]:
+            self.events.emit(EventKind.EFFECTS_NOT_UNDONE, sid, checkpoint=ck.id, **ledger)
+        return {"sandbox": sid, "checkpoint": ck.id, "seq": ck.seq, "turn": ck.turn, "branch": row.branch + 1,
+                "restored": restored, "effects_not_undone": not_undone, "ledger": ledger,
+                "timing_ms": {k: round(v * 1000, 3) for k, v in timing.items()}}
+
+    def _start_from(self, sid: str, ck: CheckpointRow, processes: bool = True) -> str:
+        """Start a sandbox whose root is already `ck`'s files: restore `ck`'s
+        processes when it has an image (and `processes`), else a fresh init.
+        A failed restore falls back to a fresh init, with an event that says so."""
+        if ck.proc_image and processes:
+            from deltacr import DeltacrError
+
+            from ..runtime.criu import restore_processes
+            try:
+                restore_processes(self.runtime, sid, self.images, ck.proc_image)
+                return "fs+proc"
+            except (DeltacrError, CrabdError) as e:
+                log.warning("restoring processes of %s into %s failed: %s", ck.id, sid, e)
+                self.events.emit(EventKind.SANDBOX_RESTORE_FAILED, sid, checkpoint=ck.id, error=str(e),
+                                 fallback="fresh init on the checkpoint's files")
+                # not runtime.stop: runc may be left waiting on a killed CRIU
+                self.runtime.reset(sid)
+        self.runtime.start(sid)
+        return "fs"
+
+    def _effects_after(self, head: str | None, target: str) -> list[dict[str, Any]]:
+        """External effects recorded on the abandoned line, after `target`."""
+        out = []
+        cid = head
+        while cid and cid != target:
+            try:
+                c = self.store.get_checkpoint(cid)
+            except NotFound:
+                break
+            eff = c.effects or {}
+            if eff.get("external") or eff.get("external_unknown"):
+                out.append({"checkpoint": c.id, "turn": c.turn, "reasons": eff.get("external_reasons", []),
+                            "unknown": bool(eff.get("external_unknown"))})
+            cid = c.parent
+        return list(reversed(out))
+
+    async def fork(self, cid: str, count: int = 1, owner: str | None = None) -> dict[str, Any]:
+        if not 1 <= count <= 64:
+            raise InvalidArgument("count must be between 1 and 64")
+        ck = await asyncio.to_thread(self.store.get_checkpoint, cid)
+        src = self._own(await asyncio.to_thread(self.store.get_sandbox, ck.sandbox_id), owner)
+        self._require_files(ck)
+        await asyncio.to_thread(self.integrity.verify, ck)
+        t0 = time.monotonic()
+        made = []
+        for _ in range(count):
+            row = await asyncio.to_thread(self._new_sandbox, image=src.image, name=None,
+                                          limits=Limits.from_dict(src.limits), owner=src.owner,
+                                          parent_snapshot=ck.fs_snapshot, base_checkpoint=ck, lineage=src.lineage)
+            made.append(row.id)
+        return {"checkpoint": ck.id, "sandboxes": made, "duration_ms": round((time.monotonic() - t0) * 1000, 3)}

@@ -1,0 +1,184 @@
+"""Start-up and stop of the daemon, and the reconciliation after a crash.
+
+Part of `crabd.daemon`. At start the store is the truth: pending checkpoints
+(not durable when the last daemon died) are discarded with what their capture
+made; runtime sandboxes, snapshots, mounts and standbys no row names are
+removed; sandboxes found running are watched again (their next checkpoint
+saves everything: `plans.BLIND_RESTART`), found frozen are thawed, found dead
+are recovered per policy (`deathwatch.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+import deltafs
+from deltafs import unmount
+
+from ..errors import CrabdError, FailedPrecondition, NotFound
+from ..runtime import Freezer
+from ..store import CheckpointRow
+from .base import DaemonBase, Turns
+from .events import EventKind
+from .names import FULL_MOUNT, IMPORT_MOUNT, is_sandbox_root
+from .plans import BLIND_RESTART
+
+log = logging.getLogger("crabd")
+
+__all__ = ["Startup"]
+
+
+class Startup(DaemonBase):
+    def _open_fs(self) -> Any:
+        # A daemon killed with SIGKILL a moment ago may still hold the
+        # snapshot store's lock while the kernel tears it down: wait a little.
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                fs: Any = deltafs.open(str(self.state_dir / "fs"), driver=self.options.snapshot_driver,
+                                  pool_size=self.options.pool_size)
+                # Test knob (bench/chaos.py): shallow overlay chains, so compaction runs often.
+                if fs.driver == "overlay" and os.environ.get("CRABD_OVERLAY_MAX_DEPTH"):
+                    fs.max_depth = max(2, int(os.environ["CRABD_OVERLAY_MAX_DEPTH"]))
+                return fs
+            except deltafs.FailedPrecondition as e:
+                if "in use" not in str(e) or time.monotonic() > deadline:
+                    raise FailedPrecondition(str(e), fix="stop the other crabd using this --state-dir") from e
+                time.sleep(0.2)
+
+    def _open_inspector(self) -> Any:
+        import ebpf
+        if not self.options.use_bpf:
+            return ebpf.ProcInspector(None)
+        return ebpf.open_inspector(None)
+
+    async def start(self) -> None:
+        """Reload the store, settle what a crash left half-done, re-adopt sandboxes."""
+        self._loop = asyncio.get_running_loop()
+        self.events.bind(self._loop)
+        # Every exec holds a worker thread for its command's whole run; with
+        # asyncio's default pool (cores + 4 threads) 16 sandboxes' execs and
+        # captures would queue for threads, which shows up as stall.
+        from concurrent.futures import ThreadPoolExecutor
+        self._loop.set_default_executor(ThreadPoolExecutor(max_workers=256, thread_name_prefix="crabd"))
+        await asyncio.to_thread(self._recover_pending)
+        for eid, sid in await asyncio.to_thread(self.ledger.mark_in_flight_unknown):
+            self.events.emit(EventKind.EFFECT_UNKNOWN, sid, effect=eid,
+                             reason="crabd restarted while it was in flight")
+        for row in self.store.list_sandboxes():
+            self.turns[row.id] = Turns()
+            try:
+                sb = await asyncio.to_thread(self.runtime.get, row.id)
+            except NotFound:
+                self.events.emit(EventKind.SANDBOX_LOST, row.id, reason="its runtime state is gone")
+                self.store.update_sandbox(row.id, state="dead")
+                continue
+            # Frozen by a checkpoint whose daemon was killed mid-commit (the
+            # freezer file is written directly: runc may still say running):
+            # crabd never leaves a sandbox frozen on purpose.
+            fr = Freezer(self.runtime.layout, sb.cgroup_rel)
+            try:
+                frozen = sb.status in ("running", "paused") and fr.state() != "THAWED"
+            except OSError:
+                frozen = False
+            if frozen:
+                await asyncio.to_thread(fr.thaw)
+                sb = await asyncio.to_thread(self.runtime.get, row.id)
+                self.events.emit(EventKind.SANDBOX_THAWED, row.id, reason="found frozen at daemon start")
+            if sb.status == "running":
+                await asyncio.to_thread(self._watch, row.id)
+                self.turns[row.id].blind = BLIND_RESTART
+                self.store.update_sandbox(row.id, state="running")
+                self.events.emit(EventKind.SANDBOX_ADOPTED, row.id)
+            else:
+                self.store.update_sandbox(row.id, state="dead")
+                self.events.emit(EventKind.SANDBOX_DIED, row.id, reason=f"found {sb.status} at daemon start")
+                if self.options.auto_rollback:
+                    await self._auto_recover(row.id)
+        self._resize_unsized()
+        self.metrics.sandboxes.set(len(self.turns))
+
+    async def close(self) -> None:
+        for t in self.turns.values():
+            if t.capture is not None and not t.capture.done():
+                try:
+                    await asyncio.wait_for(asyncio.shield(t.capture), 30)
+                except Exception:
+                    pass
+        await self.scheduler.close()
+        try:
+            self.inspector.close()
+        except Exception:
+            pass
+        self.fs.close()
+        try:
+            self.ledger.flush()  # exec wall time not yet written (crabd/effects.py)
+        except CrabdError as e:
+            log.warning("writing the budgets' wall time at stop failed: %s", e)
+        self.store.close()
+
+    def _recover_pending(self) -> None:
+        """Pending checkpoints were not durable when the daemon died: discard
+        them (their snapshot, if any, goes too). Committed ones are intact."""
+        self._discard_leftover_standbys()
+        for ck in self.store.pending_checkpoints():
+            self.store.fail_checkpoint(ck.id, "discarded: crabd stopped before this checkpoint was durable")
+            self._drop_capture_leftovers(ck)
+            self.events.emit(EventKind.CHECKPOINT_DISCARDED, ck.sandbox_id, checkpoint=ck.id)
+        self._reconcile_runtime()
+        self.fs.gc()
+        from ..runtime.criu import gc_scratch
+        n = gc_scratch()  # CRIU's staging dirs a crashed crabd left on the tmpfs (an hour old at least)
+        if n:
+            log.info("removed %d leftover CRIU scratch dir(s)", n)
+
+    def _drop_capture_leftovers(self, ck: CheckpointRow) -> None:
+        """Remove what a capture of `ck` that never committed made: its
+        snapshot (named after it; a pending row does not name it yet) and its
+        process image, unless a committed row shares them."""
+        for snap in dict.fromkeys([ck.fs_snapshot, ck.id]):
+            self._drop_snapshot_if_unused(snap)
+        try:
+            if self.images.exists(ck.id):
+                self._drop_image_if_unused(ck.id)
+        except Exception as e:
+            log.info("keeping process image %s: %s", ck.id, e)
+
+    def _reconcile_runtime(self) -> None:
+        """After a crash: destroy runtime sandboxes the store does not know (a
+        create or fork killed before its row was written), then remove the
+        sandbox-root and import snapshots no sandbox row names."""
+        rows = self.store.list_sandboxes()
+        known = {r.id for r in rows}
+        for sb in self.runtime.list():
+            if sb.id not in known:
+                try:
+                    self.runtime.destroy(sb.id)
+                    self.events.emit(EventKind.SANDBOX_ORPHAN_REMOVED, sb.id,
+                                     reason="not in the store (crabd stopped mid-create)")
+                except CrabdError as e:
+                    log.warning("removing orphan sandbox %s: %s", sb.id, e)
+        # Temporary mounts of an image import or a full-mode copy cut short.
+        for tmp in list(self.state_dir.glob(f"{IMPORT_MOUNT}*")) + list(self.state_dir.glob(f"{FULL_MOUNT}*")):
+            try:
+                unmount(str(tmp), detach=True)
+            except OSError:
+                pass
+            try:
+                os.rmdir(tmp)
+            except OSError as e:
+                log.warning("leftover %s: %s", tmp, e)
+        used = {r.fs_key for r in rows}
+        for info in list(self.fs.walk()):
+            if is_sandbox_root(info.name) and info.name not in used:
+                self._remove_snapshot(info.name)
+        # Checkpoint snapshots no row names any more (a destroy that could not
+        # remove one while a standby still stacked on it): newest first, so
+        # children go before their parents.
+        for info in reversed(list(self.fs.walk())):
+            if getattr(info.kind, "value", info.kind) == "committed":
+                self._drop_snapshot_if_unused(info.name)

@@ -1,0 +1,339 @@
+"""Hot standbys: a checkpoint's processes restored next to their sandbox and
+kept stopped, so that a rollback to that checkpoint is a SIGCONT.
+
+Part of `crabd.runtime`, beside the CRIU glue (`criu.py`) it restores with.
+
+    st = prepare_standby(rt, "agent-1", store, "sb-x@7", root=snaps.prepare(fork_key, parent=name))
+    promote_standby(rt, st)                              # rollback as a SIGCONT
+
+Standbys live in `<state>/standbys/<sandbox id>/<token>/`, outside the
+sandbox dir so that destroying a sandbox never deletes through a standby's
+mounted root. A standby is a runc container with the sandbox's own id under a
+runc root of its own, restored from the sandbox's bundle config with its own
+root and its own cgroup (`/crabd/<id>.<token>`), and CRIU's `leave-stopped`
+(through the bundle's `org.criu.config` annotation): its tasks exist, hold
+their memory and sockets, and do not run. Promotion kills the sandbox's
+current init, installs the standby's runc state as the sandbox's, sends
+SIGCONT to every standby task, then moves them into the sandbox's cgroups and
+binds the standby's root at the sandbox's bundle/rootfs: from then on the
+runtime sees it as the sandbox (exec, freeze, pids, stop/start).
+
+Standbys are bounded by deltacr.StandbyPolicy (per sandbox, host memory):
+`admit_standby` applies it to any set of standbys (the daemon's own, held in
+memory), `make_room_for_standby` to those on this host's disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from deltacr import Admission, ImageStore, StandbyPolicy, StandbyRecord
+from deltafs import Mount, is_mountpoint, mount_all, unmount
+
+from ..errors import FailedPrecondition, NotFound
+from .cgroups import copy_limits, sweep_cgroup
+from .criu import restore_into, restore_options, runc_for, scratch_dir, signal_init
+from .procfs import task_stat
+from .sandbox import Runtime, Sandbox
+
+__all__ = ["Standby", "prepare_standby", "promote_standby", "discard_standby", "list_standbys",
+           "remove_standby_leftovers", "standby_memory", "admit_standby", "make_room_for_standby"]
+
+
+@dataclass
+class Standby:
+    sandbox_id: str
+    checkpoint_id: str
+    token: str
+    dir: Path
+    root: list[Mount]
+    pid: int                # host pid of its (stopped) init
+    memory_bytes: int
+    created: float
+    prepare_ms: float = 0.0
+    promote_ms: float | None = field(default=None)  # until its processes run
+    swap_ms: float | None = field(default=None)     # ... and sit in the sandbox's cgroups
+
+    @property
+    def bundle(self) -> Path:
+        return self.dir / "bundle"
+
+    @property
+    def runc_root(self) -> Path:
+        return self.dir / "runc"
+
+    @property
+    def cgroup_rel(self) -> str:
+        return f"/crabd/{self.sandbox_id}.{self.token}"
+
+    def record(self) -> StandbyRecord:
+        return StandbyRecord(self.sandbox_id, self.checkpoint_id, self.memory_bytes, self.created)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"sandbox_id": self.sandbox_id, "checkpoint_id": self.checkpoint_id, "token": self.token,
+                "root": [m.to_dict() for m in self.root], "pid": self.pid, "memory_bytes": self.memory_bytes,
+                "created": self.created, "prepare_ms": self.prepare_ms}
+
+
+# --- hot standbys ----------------------------------------------------------------------------------
+def _standbys_dir(rt: Runtime, sandbox_id: str) -> Path:
+    return rt.state_dir / "standbys" / sandbox_id
+
+
+def prepare_standby(rt: Runtime, sandbox_ref: str, store: ImageStore, checkpoint_id: str,
+                    root: list[Mount]) -> Standby:
+    """Restore `checkpoint_id` next to the sandbox, stopped, on `root` (its
+    own file-system fork of the checkpoint, e.g. a deltafs snapshot)."""
+    t0 = time.monotonic()
+    sb = rt.get(sandbox_ref)
+    m = store.manifest(checkpoint_id)
+    ropts = restore_options(store, checkpoint_id)
+    token = secrets.token_hex(4)
+    d = _standbys_dir(rt, sb.id) / token
+    (d / "bundle" / "rootfs").mkdir(parents=True)
+    cfg = json.loads((sb.bundle / "config.json").read_text())
+    cfg.setdefault("annotations", {})["org.criu.config"] = str(d / "criu.conf")
+    cfg["linux"]["cgroupsPath"] = f"/crabd/{sb.id}.{token}"
+    (d / "criu.conf").write_text("leave-stopped\n")
+    (d / "bundle" / "config.json").write_text(json.dumps(cfg, indent=2))
+    st = Standby(sb.id, checkpoint_id, token, d, list(root), 0, standby_memory(store, checkpoint_id), time.time())
+    image = scratch_dir(store, "image-", m.raw_bytes)
+    try:
+        store.get(checkpoint_id, image)
+        mount_all(st.root, str(st.bundle / "rootfs"))
+        st.pid = restore_into(rt, store, checkpoint_id, sb.id, st.bundle, runc_for(rt, st.runc_root), ropts, image)
+    except BaseException:
+        _discard_dir(rt, st)
+        raise
+    finally:
+        shutil.rmtree(image, ignore_errors=True)
+    st.prepare_ms = (time.monotonic() - t0) * 1e3
+    (d / "standby.json").write_text(json.dumps(st.to_dict(), indent=2))
+    return st
+
+
+def standby_memory(store: ImageStore, checkpoint_id: str) -> int:
+    """The memory a standby of `checkpoint_id` holds: its image's page files."""
+    return sum(f.size for f in store.manifest(checkpoint_id).files if f.name.startswith("pages-"))
+
+
+def admit_standby(policy: StandbyPolicy, new: StandbyRecord, current: Sequence[StandbyRecord],
+                  evict: Callable[[StandbyRecord], None]) -> Admission:
+    """Ask `policy` whether standby `new` may be prepared beside `current`;
+    when it may, `evict` each standby the policy says must go first."""
+    adm = policy.admit(new, list(current))
+    if adm.admit:
+        for ev in adm.evict:
+            evict(ev)
+    return adm
+
+
+def make_room_for_standby(rt: Runtime, policy: StandbyPolicy, sandbox_ref: str, store: ImageStore,
+                          checkpoint_id: str) -> Admission:
+    """`admit_standby` over the standbys on this host's disk (host-wide),
+    discarding those that must go first."""
+    sb = rt.get(sandbox_ref)
+    new = StandbyRecord(sb.id, checkpoint_id, standby_memory(store, checkpoint_id), time.time())
+    current = list_standbys(rt)
+
+    def evict(ev: StandbyRecord) -> None:
+        for s in current:
+            if s.sandbox_id == ev.sandbox_id and s.checkpoint_id == ev.checkpoint_id:
+                discard_standby(rt, s)
+
+    return admit_standby(policy, new, [s.record() for s in current], evict)
+
+
+def list_standbys(rt: Runtime, sandbox_ref: str | None = None) -> list[Standby]:
+    base = rt.state_dir / "standbys"
+    dirs = [base / rt.get(sandbox_ref).id] if sandbox_ref else (sorted(base.iterdir()) if base.is_dir() else [])
+    out = []
+    for sd in dirs:
+        if not sd.is_dir():
+            continue
+        for d in sorted(sd.iterdir()):
+            try:
+                j = json.loads((d / "standby.json").read_text())
+            except (FileNotFoundError, ValueError):
+                continue
+            out.append(Standby(j["sandbox_id"], j["checkpoint_id"], j["token"], d,
+                               [Mount.from_dict(x) for x in j["root"]], j["pid"], j["memory_bytes"], j["created"],
+                               j.get("prepare_ms", 0.0)))
+    return out
+
+
+def _cgroup_paths(state: dict[str, Any]) -> dict[str, str]:
+    return {k: v for k, v in (state.get("cgroup_paths") or {}).items() if v}
+
+
+def promote_standby(rt: Runtime, st: Standby) -> Sandbox:
+    """Make the standby the sandbox: its processes replace the sandbox's.
+
+    Critical path: kill the sandbox's init (its pid namespace dies with
+    it), install the standby's runc state as the sandbox's, SIGCONT every
+    standby task -- `st.promote_ms` is the time until the checkpoint's
+    processes run again. Then their tasks move into the sandbox's cgroups
+    (`st.swap_ms` includes that: the first cgroup migration waits for an
+    RCU grace period, ~5-10 ms here, unless the cgroup hierarchy is mounted
+    with `favordynmods`). Reaping the old tasks, the root mount and removing
+    the standby's dir happen after both clocks stop."""
+    sb = rt.get(st.sandbox_id)  # before the clock: a runc spawn, not part of the swap
+    try:
+        stopped = task_stat(st.pid).state == "T"
+    except (FileNotFoundError, IndexError):
+        stopped = False
+    if not stopped:
+        raise FailedPrecondition(f"standby {st.token} of sandbox {sb.id} (checkpoint {st.checkpoint_id}) "
+                                 "is gone or was resumed; the sandbox is left as it is",
+                                 fix="discard it and restore the checkpoint instead")
+    t0 = time.monotonic()
+    old_state_path = rt.runc_root / sb.id / "state.json"
+    new_state_path = st.runc_root / sb.id / "state.json"
+    try:
+        new_state = json.loads(new_state_path.read_text())
+    except FileNotFoundError:
+        raise NotFound(f"standby {st.token} of sandbox {sb.id} has no runc state (discarded?)") from None
+    src_rel, dst_rel = st.cgroup_rel, sb.cgroup_rel
+    paths = _cgroup_paths(new_state)
+    # 1. End the sandbox's current processes; frozen tasks only die once thawed.
+    if sb.pid:
+        signal_init(rt, sb)
+    # 2. The standby's runc state becomes the sandbox's (its cgroups, its bundle).
+    text = json.dumps(new_state).replace(src_rel, dst_rel).replace(str(st.bundle), str(sb.bundle))
+    state = json.loads(text)
+    labels = state.get("config", {}).get("labels") or []
+    state["config"]["labels"] = [lb for lb in labels if not lb.startswith("org.criu.config=")]
+    old_state_path.parent.mkdir(mode=0o711, parents=True, exist_ok=True)
+    tmp = old_state_path.with_suffix(".promote")
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, old_state_path)
+    # 3. Run.
+    src_procs = Path(paths.get("freezer") or next(iter(paths.values()))) / "cgroup.procs"
+    moved = [int(x) for x in src_procs.read_text().split()]
+    for pid in moved:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    st.promote_ms = (time.monotonic() - t0) * 1e3
+    # 4. Into the sandbox's cgroups, hierarchy by hierarchy (same limits
+    #    on both sides meanwhile: the standby's config is the sandbox's).
+    for _, p in sorted(paths.items()):
+        src = Path(p)
+        dst = Path(p.replace(src_rel, dst_rel))
+        if not dst.is_dir():
+            dst.mkdir(parents=True, exist_ok=True)
+            copy_limits(src, dst)
+        for pid in (int(x) for x in (src / "cgroup.procs").read_text().split()):
+            try:
+                with open(dst / "cgroup.procs", "w") as f:
+                    f.write(str(pid))
+            except ProcessLookupError:
+                pass
+    st.swap_ms = (time.monotonic() - t0) * 1e3
+    _after_promotion(rt, sb, st, src_rel, paths)
+    sb.status, sb.pid = "running", st.pid
+    return sb
+
+
+def _after_promotion(rt: Runtime, sb: Sandbox, st: Standby, src_rel: str, paths: dict[str, str]) -> None:
+    # The sandbox's root becomes the standby's: bind it where the runtime
+    # expects the root, so a later stop + start (fresh init) uses it too.
+    rootfs = str(sb.rootfs)
+    deadline = time.monotonic() + 5
+    while is_mountpoint(rootfs) and time.monotonic() < deadline:
+        try:
+            unmount(rootfs)
+        except OSError:
+            time.sleep(0.01)  # the old tasks still hold it while they die
+    if is_mountpoint(rootfs):
+        unmount(rootfs, detach=True)
+    mount_all([Mount("bind", str(st.bundle / "rootfs"), ("bind",))], rootfs)
+    unmount(str(st.bundle / "rootfs"), detach=True)
+    sb.root = list(st.root)
+    rt._save(sb)  # noqa: SLF001 -- records the new root; see the report to the runtime's owner
+    for p in paths.values():
+        try:
+            os.rmdir(p)
+        except OSError:
+            pass
+    sweep_cgroup(st.cgroup_rel, kill=False)  # runc's state may not list the unified one
+    shutil.rmtree(st.runc_root, ignore_errors=True)
+    if not is_mountpoint(str(st.bundle / "rootfs")):
+        shutil.rmtree(st.dir, ignore_errors=True)
+    _rmdir_if_empty(st.dir.parent)
+
+
+def remove_standby_leftovers(rt: Runtime) -> list[str]:
+    """After a crash: remove every standby directory, also those a prepare
+    killed midway left without standby.json (list_standbys skips them):
+    their runc container, stopped tasks, cgroups and mounts. Returns the
+    directories removed."""
+    from deltafs.mount import mountinfo
+    base = rt.state_dir / "standbys"
+    out: list[str] = []
+    for sd in (sorted(base.iterdir()) if base.is_dir() else []):
+        if not sd.is_dir():
+            continue
+        for d in sorted(sd.iterdir()):
+            st = Standby(sd.name, "", d.name, d, [], 0, 0, 0.0)
+            if (st.runc_root / sd.name).exists():
+                try:
+                    runc_for(rt, st.runc_root).delete(sd.name, force=True)
+                except Exception:  # noqa: BLE001 -- best effort; the cgroups below are swept anyway
+                    pass
+            sweep_cgroup(st.cgroup_rel)
+            real = str(d.resolve())
+            for m in sorted((m.target for m in mountinfo() if m.target.startswith(real + "/")),
+                            key=len, reverse=True):
+                try:
+                    unmount(m, detach=True)
+                except OSError:
+                    pass
+            if not any(m.target.startswith(real + "/") for m in mountinfo()):
+                shutil.rmtree(d, ignore_errors=True)
+            out.append(str(d))
+        _rmdir_if_empty(sd)
+    return out
+
+
+def _rmdir_if_empty(d: Path) -> None:
+    try:
+        d.rmdir()
+    except OSError:
+        pass
+
+
+def discard_standby(rt: Runtime, st: Standby) -> None:
+    """Kill a standby's tasks and remove it. Its root (caller's fork) is
+    unmounted, not deleted: the caller removes the snapshot."""
+    _discard_dir(rt, st)
+
+
+def _discard_dir(rt: Runtime, st: Standby) -> None:
+    if (st.runc_root / st.sandbox_id).exists():
+        try:
+            runc_for(rt, st.runc_root).delete(st.sandbox_id, force=True)
+        except Exception:  # noqa: BLE001 -- best effort; the checks below decide
+            pass
+    sweep_cgroup(st.cgroup_rel)
+    rootfs = str(st.bundle / "rootfs")
+    if is_mountpoint(rootfs):
+        try:
+            unmount(rootfs)
+        except OSError:
+            unmount(rootfs, detach=True)
+    if is_mountpoint(rootfs):
+        raise FailedPrecondition(f"root of standby {st.dir} is still mounted", fix=f"umount {rootfs}")
+    shutil.rmtree(st.dir, ignore_errors=True)
+    _rmdir_if_empty(st.dir.parent)
+
+
