@@ -49,6 +49,11 @@ class DumpOptions:
     shell_job: bool = False
     # Dump and restore file locks (flock, POSIX locks).
     file_locks: bool = False
+    # Dump a listening TCP socket whose accept queue holds connections
+    # without them (CRIU's --skip-in-flight): the socket comes back with an
+    # empty queue, so those clients lose their connection (a reset, as when
+    # a server restarts). Without it such a socket makes the whole dump fail.
+    skip_in_flight: bool = False
     # cgroup handling; see CgroupsMode.
     manage_cgroups_mode: CgroupsMode = CgroupsMode.SOFT
     # Network locking during the dump; see NetworkLock.
@@ -75,9 +80,18 @@ class DumpOptions:
         reads): a lock costs CRIU an iptables-restore on each side of the
         dump and of the restore. A connection to a peer outside the sandbox
         (a sandbox given a shared network namespace) would be dumped too, but
-        on restore the peer has moved on: it sees a reset or a stale stream."""
+        on restore the peer has moved on: it sees a reset or a stale stream.
+
+        Connections a server has not accept()ed yet are left out of the
+        image (`skip_in_flight`): CRIU cannot dump an accept queue, and the
+        choice is between losing those connections and losing every process
+        of the sandbox (a refused dump leaves a files-only checkpoint). Both
+        lose the connection; the client sees a reset after a restore, as
+        after a server restart, and the checkpoint's reasons say it
+        happened (`skipped_in_flight` in the dump log)."""
         lock = NetworkLock.LOCK if tcp_connections else NetworkLock.SKIP
-        return cls(**{"tcp_established": True, "file_locks": True, "network_lock": lock, **kw})
+        return cls(**{"tcp_established": True, "file_locks": True, "skip_in_flight": True, "network_lock": lock,
+                      **kw})
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "DumpOptions":
@@ -158,7 +172,10 @@ def config_lines(o: DumpOptions | RestoreOptions) -> list[str]:
     lock = o.network_lock
     if lock is NetworkLock.AUTO:
         lock = NetworkLock.LOCK if o.tcp_established else NetworkLock.SKIP
-    return ["network-lock skip"] if lock is NetworkLock.SKIP else []
+    out = ["network-lock skip"] if lock is NetworkLock.SKIP else []
+    if isinstance(o, DumpOptions) and o.skip_in_flight:
+        out.append("skip-in-flight")
+    return out
 
 
 def _common_flags(o: DumpOptions | RestoreOptions) -> list[str]:
