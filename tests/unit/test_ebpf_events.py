@@ -69,3 +69,20 @@ def test_write_counters_can_be_compiled_out():
     assert "#define COUNT_WRITES (1)" in program_text()
     assert "#define COUNT_WRITES (0)" in program_text(count_writes=False)
     assert "#if COUNT_WRITES" in program_text()
+
+
+def test_effects_with_names_that_are_not_utf8_serialize():
+    # zdtm sk-unix-rel binds a unix path with no NUL: the bytes read after it
+    # are stack garbage, decoded with surrogate escapes like any name
+    from ebpf import Effects, Sample, SocketRecord
+    ev = decode(raw(EventKind.BIND, family=1, path=b"sk-unix-rel.test\x98\xfe"))
+    assert ev.path == "sk-unix-rel.test\udc98\udcfe"
+    unix = Sample()
+    unix.add(ev.path)
+    eff = Effects(sandbox_id="sb", turn=1, source="bpf-cgroup",
+                  listening=[SocketRecord(pid=1, address=ev.path, alive=True)])
+    eff.connections.unix = unix
+    text = eff.model_dump_json()  # raised PydanticSerializationError (surrogates not allowed)
+    assert "sk-unix-rel.test\\\\x98\\\\xfe" in text
+    assert eff.model_dump(mode="json")["listening"][0]["address"] == "sk-unix-rel.test\\x98\\xfe"
+    assert Effects.model_validate_json(text).connections.unix.sample == ["sk-unix-rel.test\\x98\\xfe"]
