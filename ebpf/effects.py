@@ -35,7 +35,7 @@ MAX_SAMPLES = 16
 Source = Literal["bpf-cgroup", "bpf-pids", "proc"]
 
 
-def _text_safe(v: Any) -> Any:
+def text_safe(v: Any) -> Any:
     """`v` with every string's surrogate escapes (bytes that are not UTF-8)
     shown as `\\xNN`, so that it encodes as UTF-8 and JSON. Pure."""
     if isinstance(v, str):
@@ -45,9 +45,9 @@ def _text_safe(v: Any) -> Any:
         except UnicodeEncodeError:
             return v.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
     if isinstance(v, dict):
-        return {_text_safe(k): _text_safe(x) for k, x in v.items()}
+        return {text_safe(k): text_safe(x) for k, x in v.items()}
     if isinstance(v, list):
-        return [_text_safe(x) for x in v]
+        return [text_safe(x) for x in v]
     return v
 
 
@@ -117,7 +117,7 @@ class Effects(BaseModel):
     def _serialize(self, handler: SerializerFunctionWrapHandler) -> Any:
         # zdtm sk-unix-rel: a unix bind's path with bytes that are not UTF-8
         # made every API reply carrying these effects fail to encode (500).
-        return _text_safe(handler(self))
+        return text_safe(handler(self))
 
     schema_version: Literal[1] = SCHEMA_VERSION
     sandbox_id: str

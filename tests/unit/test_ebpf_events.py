@@ -86,3 +86,8 @@ def test_effects_with_names_that_are_not_utf8_serialize():
     assert "sk-unix-rel.test\\\\x98\\\\xfe" in text
     assert eff.model_dump(mode="json")["listening"][0]["address"] == "sk-unix-rel.test\\x98\\xfe"
     assert Effects.model_validate_json(text).connections.unix.sample == ["sk-unix-rel.test\\x98\\xfe"]
+    # and the plan's reasons, which quote the address, are text that encodes too
+    from ebpf import classify
+    reasons = classify(eff).reasons
+    assert any("sk-unix-rel.test\\x98\\xfe" in r for r in reasons), reasons
+    "; ".join(reasons).encode("utf-8")
