@@ -34,6 +34,11 @@ class NetworkLock(str, enum.Enum):
     SKIP = "skip"  # never lock: a sandbox on loopback only has no peer to protect; saves ~40-60 ms per run
 
 
+# DumpOptions.for_private_netns's ghost_limit: a deleted-but-open file up to
+# this size is saved with the processes (zdtm ghost_multi_hole*: 4 MiB).
+GHOST_LIMIT = 64 << 20
+
+
 @dataclass(frozen=True)
 class DumpOptions:
     # Keep the sandbox running after the dump (a checkpoint, not a migration).
@@ -54,6 +59,10 @@ class DumpOptions:
     # empty queue, so those clients lose their connection (a reset, as when
     # a server restarts). Without it such a socket makes the whole dump fail.
     skip_in_flight: bool = False
+    # Largest deleted-but-open file whose contents the image carries (CRIU's
+    # --ghost-limit, bytes); 0 keeps CRIU's default, 1 MiB. A bigger one
+    # makes the whole dump fail.
+    ghost_limit: int = 0
     # cgroup handling; see CgroupsMode.
     manage_cgroups_mode: CgroupsMode = CgroupsMode.SOFT
     # Network locking during the dump; see NetworkLock.
@@ -88,10 +97,14 @@ class DumpOptions:
         of the sandbox (a refused dump leaves a files-only checkpoint). Both
         lose the connection; the client sees a reset after a restore, as
         after a server restart, and the checkpoint's reasons say it
-        happened (`skipped_in_flight` in the dump log)."""
+        happened (`skipped_in_flight` in the dump log).
+
+        Deleted files a process still holds open (temporary files, a log
+        rotated away) go into the image up to GHOST_LIMIT each instead of
+        CRIU's 1 MiB: a bigger one would cost the whole process image."""
         lock = NetworkLock.LOCK if tcp_connections else NetworkLock.SKIP
         return cls(**{"tcp_established": True, "file_locks": True, "skip_in_flight": True, "network_lock": lock,
-                      **kw})
+                      "ghost_limit": GHOST_LIMIT, **kw})
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "DumpOptions":
@@ -145,6 +158,9 @@ def _validate(o: DumpOptions | RestoreOptions) -> None:
             except ValueError:
                 raise InvalidArgument(f"{f.name} {v!r} is not one of "
                                       f"{', '.join(m.value for m in enum_t)}") from None
+        elif f.name == "ghost_limit":
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise InvalidArgument(f"ghost_limit must be a number of bytes >= 0, not {v!r}")
         elif f.name in ("timeout", "stall_timeout"):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise InvalidArgument(f"{f.name} must be a positive number of seconds, not {v!r}")
@@ -175,6 +191,8 @@ def config_lines(o: DumpOptions | RestoreOptions) -> list[str]:
     out = ["network-lock skip"] if lock is NetworkLock.SKIP else []
     if isinstance(o, DumpOptions) and o.skip_in_flight:
         out.append("skip-in-flight")
+    if isinstance(o, DumpOptions) and o.ghost_limit:
+        out.append(f"ghost-limit {o.ghost_limit}")
     return out
 
 
