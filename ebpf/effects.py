@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_serializer
 
 SCHEMA_VERSION = 1
 MAX_SAMPLES = 16
@@ -113,11 +113,14 @@ class Effects(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    @model_serializer(mode="wrap")
-    def _serialize(self, handler: SerializerFunctionWrapHandler) -> Any:
+    # Every field, nested records included. A wrap field serializer with no
+    # return annotation keeps the serialization JSON schema (an annotation,
+    # or a model serializer, would replace every field's schema).
+    @field_serializer("*", mode="wrap")
+    def _serialize(self, value: Any, handler: SerializerFunctionWrapHandler):  # type: ignore[no-untyped-def]
         # zdtm sk-unix-rel: a unix bind's path with bytes that are not UTF-8
         # made every API reply carrying these effects fail to encode (500).
-        return text_safe(handler(self))
+        return text_safe(handler(value))
 
     schema_version: Literal[1] = SCHEMA_VERSION
     sandbox_id: str

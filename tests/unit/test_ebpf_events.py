@@ -91,3 +91,5 @@ def test_effects_with_names_that_are_not_utf8_serialize():
     reasons = classify(eff).reasons
     assert any("sk-unix-rel.test\\x98\\xfe" in r for r in reasons), reasons
     "; ".join(reasons).encode("utf-8")
+    # the serializer changes no schema
+    assert Effects.model_json_schema(mode="serialization") == Effects.model_json_schema(mode="validation")
