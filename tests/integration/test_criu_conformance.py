@@ -274,6 +274,17 @@ while True:
 '''
 
 
+def _reaped(pid: int) -> bool:
+    """Is `pid` gone, zombie included? The test process may be a child
+    subreaper (the runtime fixture makes it one): an orphan comes to it, and
+    its zombie would keep the pid the restore needs."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    return not Path(f"/proc/{pid}").exists()
+
+
 def _state(pid: int) -> str:
     data = Path(f"/proc/{pid}/stat").read_bytes()
     return data[data.rindex(b")") + 2:][:1].decode()
@@ -318,7 +329,7 @@ def test_stopped_task_dumps_and_restores_with_a_cgroup_v2_freezer(frozen_first):
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
         tree.wait(10)
-        wait_until(lambda: not Path(f"/proc/{child}").exists(), f"task {child} gone", 10)
+        wait_until(lambda: _reaped(child), f"task {child} gone", 10)
         restore = subprocess.run(["criu", "restore", "-D", str(img), "--restore-detached", "-v4",
                                   "-o", "restore.log"], capture_output=True, text=True, timeout=60)
         rlog = (img / "restore.log").read_text(errors="replace")
@@ -335,6 +346,7 @@ def test_stopped_task_dumps_and_restores_with_a_cgroup_v2_freezer(frozen_first):
         except OSError:
             pass
         tree.poll()
-        wait_until(lambda: not (cg / "cgroup.procs").read_text().split(), "test cgroup empty", 10)
+        wait_until(lambda: all([_reaped(p) for p in pids]) and not (cg / "cgroup.procs").read_text().split(),
+                   "test cgroup empty", 10)
         cg.rmdir()
         subprocess.run(["rm", "-rf", str(img)], timeout=60)
