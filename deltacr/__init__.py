@@ -25,7 +25,7 @@ from .capture import Capture, capture_consistent
 from .errors import (AlreadyExists, CommandFailed, CriuFailed, CriuUnavailable, DeltacrError, FailedPrecondition,
                      ImageCorrupted, InvalidArgument, NotFound)
 from .options import CgroupsMode, DumpOptions, NetworkLock, config_lines, RestoreOptions, checkpoint_argv, required_features, restore_argv
-from .runc import CommandRunner, CriuInfo, Result, Runc, SubprocessCommandRunner, check_criu, criu_errors
+from .runc import CommandRunner, CriuInfo, Result, Runc, SubprocessCommandRunner, check_criu, criu_errors, skipped_in_flight
 from .standby import Admission, StandbyPolicy, StandbyRecord
 from .store import CHUNK_SIZE, FileEntry, ImageStore, Manifest, StoreStats, chunk_spans, parse_pagemap
 
@@ -34,7 +34,7 @@ __all__ = [
     "DeltacrError", "NotFound", "AlreadyExists", "InvalidArgument", "FailedPrecondition", "CriuUnavailable",
     "CriuFailed", "ImageCorrupted", "CommandFailed",
     "CgroupsMode", "NetworkLock", "config_lines", "DumpOptions", "RestoreOptions", "checkpoint_argv", "restore_argv", "required_features",
-    "CommandRunner", "Result", "SubprocessCommandRunner", "CriuInfo", "check_criu", "criu_errors", "Runc",
+    "CommandRunner", "Result", "SubprocessCommandRunner", "CriuInfo", "check_criu", "criu_errors", "skipped_in_flight", "Runc",
     "StandbyPolicy", "StandbyRecord", "Admission",
     "ImageStore", "Manifest", "FileEntry", "StoreStats", "chunk_spans", "parse_pagemap", "CHUNK_SIZE",
 ]

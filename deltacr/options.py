@@ -34,6 +34,11 @@ class NetworkLock(str, enum.Enum):
     SKIP = "skip"  # never lock: a sandbox on loopback only has no peer to protect; saves ~40-60 ms per run
 
 
+# DumpOptions.for_private_netns's ghost_limit: a deleted-but-open file up to
+# this size is saved with the processes (zdtm ghost_multi_hole*: 4 MiB).
+GHOST_LIMIT = 64 << 20
+
+
 @dataclass(frozen=True)
 class DumpOptions:
     # Keep the sandbox running after the dump (a checkpoint, not a migration).
@@ -49,6 +54,15 @@ class DumpOptions:
     shell_job: bool = False
     # Dump and restore file locks (flock, POSIX locks).
     file_locks: bool = False
+    # Dump a listening TCP socket whose accept queue holds connections
+    # without them (CRIU's --skip-in-flight): the socket comes back with an
+    # empty queue, so those clients lose their connection (a reset, as when
+    # a server restarts). Without it such a socket makes the whole dump fail.
+    skip_in_flight: bool = False
+    # Largest deleted-but-open file whose contents the image carries (CRIU's
+    # --ghost-limit, bytes); 0 keeps CRIU's default, 1 MiB. A bigger one
+    # makes the whole dump fail.
+    ghost_limit: int = 0
     # cgroup handling; see CgroupsMode.
     manage_cgroups_mode: CgroupsMode = CgroupsMode.SOFT
     # Network locking during the dump; see NetworkLock.
@@ -75,9 +89,22 @@ class DumpOptions:
         reads): a lock costs CRIU an iptables-restore on each side of the
         dump and of the restore. A connection to a peer outside the sandbox
         (a sandbox given a shared network namespace) would be dumped too, but
-        on restore the peer has moved on: it sees a reset or a stale stream."""
+        on restore the peer has moved on: it sees a reset or a stale stream.
+
+        Connections a server has not accept()ed yet are left out of the
+        image (`skip_in_flight`): CRIU cannot dump an accept queue, and the
+        choice is between losing those connections and losing every process
+        of the sandbox (a refused dump leaves a files-only checkpoint). Both
+        lose the connection; the client sees a reset after a restore, as
+        after a server restart, and the checkpoint's reasons say it
+        happened (`skipped_in_flight` in the dump log).
+
+        Deleted files a process still holds open (temporary files, a log
+        rotated away) go into the image up to GHOST_LIMIT each instead of
+        CRIU's 1 MiB: a bigger one would cost the whole process image."""
         lock = NetworkLock.LOCK if tcp_connections else NetworkLock.SKIP
-        return cls(**{"tcp_established": True, "file_locks": True, "network_lock": lock, **kw})
+        return cls(**{"tcp_established": True, "file_locks": True, "skip_in_flight": True, "network_lock": lock,
+                      "ghost_limit": GHOST_LIMIT, **kw})
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "DumpOptions":
@@ -131,6 +158,9 @@ def _validate(o: DumpOptions | RestoreOptions) -> None:
             except ValueError:
                 raise InvalidArgument(f"{f.name} {v!r} is not one of "
                                       f"{', '.join(m.value for m in enum_t)}") from None
+        elif f.name == "ghost_limit":
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise InvalidArgument(f"ghost_limit must be a number of bytes >= 0, not {v!r}")
         elif f.name in ("timeout", "stall_timeout"):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise InvalidArgument(f"{f.name} must be a positive number of seconds, not {v!r}")
@@ -158,7 +188,12 @@ def config_lines(o: DumpOptions | RestoreOptions) -> list[str]:
     lock = o.network_lock
     if lock is NetworkLock.AUTO:
         lock = NetworkLock.LOCK if o.tcp_established else NetworkLock.SKIP
-    return ["network-lock skip"] if lock is NetworkLock.SKIP else []
+    out = ["network-lock skip"] if lock is NetworkLock.SKIP else []
+    if isinstance(o, DumpOptions) and o.skip_in_flight:
+        out.append("skip-in-flight")
+    if isinstance(o, DumpOptions) and o.ghost_limit:
+        out.append(f"ghost-limit {o.ghost_limit}")
+    return out
 
 
 def _common_flags(o: DumpOptions | RestoreOptions) -> list[str]:

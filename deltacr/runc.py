@@ -39,12 +39,15 @@ from .netns import loopback_up
 from .options import DumpOptions, RestoreOptions, checkpoint_argv, config_lines, required_features, restore_argv
 
 __all__ = ["Result", "CommandRunner", "SubprocessCommandRunner", "CriuInfo", "check_criu", "criu_errors",
-           "Runc", "MIN_CRIU_VERSION", "kill_session"]
+           "skipped_in_flight", "Runc", "MIN_CRIU_VERSION", "kill_session"]
 
 MIN_CRIU_VERSION = (3, 17)  # leave-stopped through a config file, cgroup v1 freezer handling
 # Logged on every CRIU run on these hosts (setrlimit is refused) and never the cause.
 _NOISE = re.compile(r"rlimit: Can't setup RLIMIT_NOFILE")
 _ERROR = re.compile(r"\bError \(")
+# CRIU 4.x, sk-inet.c, at info level (runc's log level 4 has it), once per
+# listening socket whose accept queue was left out (--skip-in-flight).
+_SKIPPED_IN_FLIGHT = re.compile(r"Skipping in-flight connection \(l\) for ([0-9a-f]+)")
 
 
 @dataclass(frozen=True)
@@ -240,6 +243,12 @@ def criu_errors(log_text: str, context_lines: int = 3) -> tuple[list[str], list[
                 context = [c.strip() for c in lines[max(0, i - context_lines):i] if not _NOISE.search(c)]
             errors.append(ln.strip())
     return errors, context
+
+
+def skipped_in_flight(log_text: str) -> list[str]:
+    """Inodes (hex, as CRIU logs them) of the listening TCP sockets a dump
+    saved without their not-yet-accepted connections. Pure."""
+    return _SKIPPED_IN_FLIGHT.findall(log_text)
 
 
 def _read_log(path: Path) -> str:

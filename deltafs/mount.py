@@ -161,6 +161,23 @@ def mountinfo() -> list[MountInfo]:
     return out
 
 
+def unmount_below(path: str) -> list[str]:
+    """Detach every mount strictly below `path`, deepest first (a lazy
+    unmount also takes the mounts stacked under each). Returns the targets
+    still mounted there afterwards (none, normally)."""
+    real = os.path.realpath(path) + "/"
+    for _ in range(8):  # mounts stacked on one target come off one per round
+        below = sorted({m.target for m in mountinfo() if m.target.startswith(real)}, key=len, reverse=True)
+        if not below:
+            return []
+        for target in below:
+            try:
+                unmount(target, detach=True)
+            except MountError:
+                pass
+    return sorted({m.target for m in mountinfo() if m.target.startswith(real)})
+
+
 def is_mountpoint(path: str) -> bool:
     """True when `path` is listed as a mount point in /proc/self/mountinfo."""
     real = os.path.realpath(path)

@@ -34,7 +34,7 @@ import enum
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ebpf.effects import Effects
+from ebpf.effects import Effects, text_safe
 
 
 class PlanKind(str, enum.Enum):
@@ -73,7 +73,7 @@ def classify(effects: Effects) -> Plan:
         nonlocal kind
         if _RANK[k] > _RANK[kind]:
             kind = k
-        reasons.append(why)
+        reasons.append(text_safe(why))  # names in it need not be UTF-8 (see ebpf.effects)
 
     e = effects
     proc, fs = PlanKind.FS_PROC, PlanKind.FS

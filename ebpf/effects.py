@@ -17,18 +17,38 @@ Conventions:
 - Pids are host pids (the inspector runs in the host's pid namespace).
 - Samples are bounded (`MAX_SAMPLES` distinct values, first seen first);
   `count` is always the full count.
+- Names need not be UTF-8 (file names, argv, unix socket paths -- a bind
+  whose address has no NUL shows the bytes after it too). Inside a record
+  they keep their bytes as surrogate escapes; serialized, the bytes that are
+  not UTF-8 read as `\\xNN` (JSON and UTF-8 cannot carry lone surrogates).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_serializer
 
 SCHEMA_VERSION: Literal[1] = 1
 MAX_SAMPLES = 16
 
 Source = Literal["bpf-cgroup", "bpf-pids", "proc", "loading"]
+
+
+def text_safe(v: Any) -> Any:
+    """`v` with every string's surrogate escapes (bytes that are not UTF-8)
+    shown as `\\xNN`, so that it encodes as UTF-8 and JSON. Pure."""
+    if isinstance(v, str):
+        try:
+            v.encode("utf-8")
+            return v
+        except UnicodeEncodeError:
+            return v.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    if isinstance(v, dict):
+        return {text_safe(k): text_safe(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [text_safe(x) for x in v]
+    return v
 
 
 class Sample(BaseModel):
@@ -92,6 +112,15 @@ class Effects(BaseModel):
     """The OS-visible effects of one turn of one sandbox."""
 
     model_config = ConfigDict(extra="forbid")
+
+    # Every field, nested records included. A wrap field serializer with no
+    # return annotation keeps the serialization JSON schema (an annotation,
+    # or a model serializer, would replace every field's schema).
+    @field_serializer("*", mode="wrap")
+    def _serialize(self, value: Any, handler: SerializerFunctionWrapHandler):  # type: ignore[no-untyped-def]
+        # zdtm sk-unix-rel: a unix bind's path with bytes that are not UTF-8
+        # made every API reply carrying these effects fail to encode (500).
+        return text_safe(handler(value))
 
     schema_version: Literal[1] = SCHEMA_VERSION
     sandbox_id: str

@@ -208,6 +208,7 @@ class CapturePipeline(DaemonBase):
         # counted exactly like crabd's own FS_PROC turns (crabd/capture.py).
         proc_image: str | None = None
         error: str | None = None
+        notes: tuple[str, ...] = ()
 
         def fs_commit() -> Any:
             out = self.fs.checkpoint(row.fs_key, name=ck.id)
@@ -217,7 +218,7 @@ class CapturePipeline(DaemonBase):
         try:
             with self._inspector_pause(ck.sandbox_id, d):
                 info = checkpoint_processes(self.runtime, ck.sandbox_id, self.images, ck.id, fs_commit=fs_commit)
-            proc_image = ck.id
+            proc_image, notes = ck.id, info.notes
             d.update(pause=info.pause_ms / 1000, fs_commit=info.fs_ms / 1000, proc_dump=info.dump_ms / 1000,
                      store=info.store_ms / 1000)
             # Bytes written: crabd's store de-duplicates and compresses, so a
@@ -235,7 +236,7 @@ class CapturePipeline(DaemonBase):
         self.fs.sync()
         d["sync"] = time.monotonic() - t
         d["total"] = time.monotonic() - t_start
-        reasons = list(ck.reasons)
+        reasons = list(ck.reasons) + list(notes)
         if error:
             reasons.append(f"process image not captured: {error}")
         # The snapshot's usage is counted later, off the next turn's path.

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from deltacr import AlreadyExists, CriuFailed, DumpOptions, ImageStore, RestoreOptions, Runc, capture_consistent
+from deltacr import (AlreadyExists, CriuFailed, DumpOptions, ImageStore, RestoreOptions, Runc, capture_consistent,
+                     skipped_in_flight)
 from deltacr.compat import host_criu
 from deltafs import is_mountpoint, mount_all
 
@@ -61,6 +62,7 @@ class ProcessCheckpoint:
     fs_result: Any = None   # what fs_commit returned
     digest: str = ""        # the manifest's
     written_bytes: int = 0  # what the de-duplicated, compressed store actually wrote
+    notes: tuple[str, ...] = ()  # what the image leaves out, for the checkpoint's reasons
 
 
 def runc_for(rt: Runtime, root: Path | None = None) -> Runc:
@@ -126,6 +128,7 @@ def checkpoint_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, check
             if not dumped:
                 _unlock_network(sb, init_pid)
             _check_thawed(sb, freezer, was_frozen)
+        notes = _dump_notes(logs / "dump.log")
         t = time.monotonic()
         m = store.put(checkpoint_id, img, logs=[logs / "dump.log"],
                       meta={"sandbox_id": sb.id, "options": opts.to_dict(), "kind": "criu-runc"})
@@ -133,7 +136,21 @@ def checkpoint_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, check
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return ProcessCheckpoint(checkpoint_id, sb.id, m.raw_bytes, cap.pause_seconds * 1e3, cap.fs_seconds * 1e3,
-                             cap.dump_seconds * 1e3, store_s * 1e3, cap.fs_result, m.digest, m.written)
+                             cap.dump_seconds * 1e3, store_s * 1e3, cap.fs_result, m.digest, m.written, notes)
+
+
+def _dump_notes(log: Path) -> tuple[str, ...]:
+    """What a successful dump left out of the image, from CRIU's log."""
+    try:
+        data = log.read_bytes()
+    except OSError:
+        return ()
+    # The log can be megabytes (level 4): a byte search first, the parse only on a hit.
+    skipped = skipped_in_flight(data.decode(errors="replace")) if b"in-flight" in data else []
+    if not skipped:
+        return ()
+    return (f"not-yet-accepted TCP connections left out of the process image ({len(skipped)} listening "
+            "socket(s), CRIU --skip-in-flight): their clients see a reset after a restore",)
 
 
 # Scratch space for CRIU images on their way into or out of the store: a

@@ -34,6 +34,7 @@ from typing import Any, Sequence
 import psutil
 
 from deltafs import Mount, is_mountpoint, mount_all, unmount
+from deltafs.mount import unmount_below
 
 from .. import config
 from ..errors import (CommandNotExecutable, CommandNotFound, ExecError, ExecTimeout, FailedPrecondition,
@@ -292,8 +293,29 @@ class Runtime:
         sb = self.get(ref)
         with self._lock(sb.id):
             self._kill_cgroup_tasks(sb, timeout)
-            shutil.rmtree(self.runc_root / sb.id, ignore_errors=True)
+            self._remove_runc_state(sb)
         return self.get(sb.id)
+
+    def _remove_runc_state(self, sb: Sandbox) -> None:
+        """Remove runc's state dir of `sb` without asking runc. A `runc
+        restore` killed half-way leaves its `criu-root` in it: the bind
+        mount of the sandbox's root runc makes for CRIU and unmounts only
+        when the restore ends. rmtree cannot remove a mount point, and the
+        dir left behind makes `runc create` refuse the id ("container with
+        given ID already exists"). Worse, rmtree walks into the mount and
+        deletes the sandbox's files. So: unmount first, never remove through
+        a mount, and fail here, with the fix, if the dir is still there."""
+        state_dir = self.runc_root / sb.id
+        if not state_dir.exists():
+            return
+        still = unmount_below(str(state_dir))
+        if not still:
+            shutil.rmtree(state_dir, ignore_errors=True)
+        if state_dir.exists():
+            raise FailedPrecondition(
+                f"runc's state of sandbox {sb.id} ({state_dir}) could not be removed"
+                + (f": still mounted: {', '.join(still)}" if still else ""),
+                fix=f"umount -l {state_dir}/criu-root; rm -r {state_dir}; then roll the sandbox back again")
 
     def _kill_cgroup_tasks(self, sb: Sandbox, timeout: float = 10.0) -> None:
         """SIGKILL every task in the sandbox's cgroup (thawed first: a frozen
@@ -557,7 +579,7 @@ class Runtime:
             return
         self._kill_cgroup_tasks(sb)
         log.warning("removing runc's unreadable state of %s (%s)", sb.id, state_dir)
-        shutil.rmtree(state_dir, ignore_errors=True)
+        self._remove_runc_state(sb)
 
     def _status(self, sid: str) -> tuple[str, int | None]:
         res = self._runc("state", sid, check=False)

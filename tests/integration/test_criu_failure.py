@@ -54,6 +54,25 @@ case "$mode" in
     # a CRIU that never answers runc: crabd must kill it (not only runc)
     echo $$ > "$CTRL.hung"
     exec sleep 3600 ;;
+  "$op-killrunc")
+    # runc and CRIU SIGKILLed once CRIU has forked a restored task (it is
+    # in the sandbox's new network namespace): the restore killed half-way,
+    # as crabd's stall timeout kills it; runc cannot clean up after itself
+    "$REAL" "$@" &
+    pid=$!
+    me=$(readlink /proc/self/ns/net)
+    while kill -0 $pid 2>/dev/null; do
+      for c in $(cat /proc/$pid/task/*/children 2>/dev/null); do
+        ns=$(readlink /proc/$c/ns/net 2>/dev/null)
+        if [ -n "$ns" ] && [ "$ns" != "$me" ]; then
+          echo "killed runc and CRIU at task $c" >> "$CTRL.log"
+          kill -9 $PPID $pid
+          kill -9 $$
+        fi
+      done
+    done
+    wait $pid
+    exit $? ;;
   "$op-kill")
     "$REAL" "$@" &
     pid=$!
@@ -135,6 +154,40 @@ def test_criu_fails_mid_dump_and_mid_restore(start_daemon, tmp_path):
     assert states.get(ck_good["id"]) == "committed"
     assert c.exec(sid, "echo after > /root/g && cat /root/g")["stdout"].strip() == "after"
     Path(ctrl).unlink()
+
+
+def test_restore_killed_half_way_falls_back_on_intact_files(start_daemon, tmp_path):
+    """runc killed mid-restore leaves its bind mount of the sandbox's root
+    (`criu-root`) in its state dir. Before the fix the fallback's cleanup
+    removed that dir with rmtree, which walked into the mount and deleted
+    the sandbox's files, then left the dir (a mount point) behind, so the
+    fresh init failed with runc's "container with given ID already exists"
+    and the rollback answered 500."""
+    c, ctrl = _wrapped_daemon(start_daemon, tmp_path)
+    sid = c.create_sandbox("busybox")["id"]
+    c.exec(sid, "setsid sh -c 'while :; do sleep 0.2; done' >/dev/null 2>&1 </dev/null &")
+    good = _committed(c, c.exec(sid, "echo one > /root/f")["checkpoint"])
+    assert good["proc_image"], good
+    ev0 = max((e["seq"] for e in c.events()), default=0)
+    for attempt in range(2):  # twice: the first fallback leaves nothing in the way of the next
+        ctrl.write_text("restore-killrunc")
+        try:
+            out = c.rollback(sid, good["id"])
+        finally:
+            ctrl.write_text("")
+        assert "killed runc and CRIU" in (tmp_path / "criu.mode.log").read_text(), "the wrapper killed nothing"
+        assert out["restored"] == "fs", out
+        assert c.sandbox(sid)["status"] == "running"
+        assert c.exec(sid, "cat /root/f")["stdout"].strip() == "one"
+        assert c.exec(sid, "ls /bin/busybox")["exit_code"] == 0
+        (tmp_path / "criu.mode.log").unlink()
+    evs = [e for e in c.events(since=ev0) if e["kind"] == "sandbox.restore_failed"]
+    assert len(evs) == 2 and all(e["data"].get("fallback") for e in evs), evs
+    mounts = Path("/proc/self/mountinfo").read_text()
+    assert f"/runc/{sid}/" not in mounts, "runc's criu-root mount was left behind"
+    # and a restore that is not killed brings the processes back again
+    assert c.rollback(sid, good["id"])["restored"] == "fs+proc"
+    assert "while" in c.exec(sid, "ps -o args")["stdout"]
 
 
 def _gone(pid: int) -> bool:

@@ -74,9 +74,10 @@ def test_required_features_follow_options():
 def test_private_netns_dumps_tcp_and_locks_and_locks_the_network_only_for_tcp():
     with_tcp = DumpOptions.for_private_netns(tcp_connections=True)
     assert with_tcp.tcp_established and with_tcp.file_locks and with_tcp.network_lock is NetworkLock.LOCK
-    assert config_lines(with_tcp) == []
+    assert config_lines(with_tcp) == ["skip-in-flight", f"ghost-limit {64 << 20}"]
     without = DumpOptions.for_private_netns(tcp_connections=False)
-    assert without.tcp_established and without.file_locks and config_lines(without) == ["network-lock skip"]
+    assert without.tcp_established and without.file_locks
+    assert config_lines(without) == ["network-lock skip", "skip-in-flight", f"ghost-limit {64 << 20}"]
     argv = checkpoint_argv("runc", "/r", "sb-1", "/img", "/work", without)
     assert "--tcp-established" in argv and "--file-locks" in argv
     # what the image needs comes back for its restore
@@ -88,3 +89,27 @@ def test_private_netns_dumps_tcp_and_locks_and_locks_the_network_only_for_tcp():
 def test_stall_timeout_is_a_positive_number(v):
     with pytest.raises(InvalidArgument):
         DumpOptions(stall_timeout=v)
+
+
+def test_private_netns_skips_in_flight_connections_through_the_config_file():
+    # A listening socket with connections not yet accept()ed: without the
+    # flag CRIU refuses the whole dump (zdtm socket-tcp-skip-in-flight).
+    assert DumpOptions().skip_in_flight is False
+    assert "skip-in-flight" not in config_lines(DumpOptions())
+    for tcp in (True, False):
+        o = DumpOptions.for_private_netns(tcp_connections=tcp)
+        assert o.skip_in_flight and "skip-in-flight" in config_lines(o)
+        # runc has no flag for it: only the config file carries it
+        assert not any("in-flight" in a for a in checkpoint_argv("runc", "/r", "sb-1", "/img", "/work", o))
+    assert DumpOptions.for_private_netns(tcp_connections=True, skip_in_flight=False).skip_in_flight is False
+    assert DumpOptions.from_dict(DumpOptions(skip_in_flight=True).to_dict()).skip_in_flight
+
+
+def test_ghost_limit_is_a_config_line_and_a_number_of_bytes():
+    assert not any("ghost" in x for x in config_lines(DumpOptions()))
+    assert "ghost-limit 4096" in config_lines(DumpOptions(ghost_limit=4096))
+    assert DumpOptions.for_private_netns(tcp_connections=False).ghost_limit == 64 << 20
+    for bad in (-1, True, "8M", 1.5):
+        with pytest.raises(InvalidArgument):
+            DumpOptions(ghost_limit=bad)
+    assert DumpOptions.from_dict(DumpOptions(ghost_limit=5).to_dict()).ghost_limit == 5

@@ -6,7 +6,7 @@ import pytest
 
 import deltacr.runc as runc_mod
 from deltacr import (CommandFailed, CriuFailed, CriuUnavailable, DumpOptions, Runc, check_criu, criu_errors,
-                     needs_sockopt_shim)
+                     needs_sockopt_shim, skipped_in_flight)
 from deltacr.compat import has_cap_sys_resource
 from deltacr.runc import SubprocessCommandRunner
 from deltacr.testing import FakeCommandRunner
@@ -32,6 +32,14 @@ def test_criu_errors_drop_the_rlimit_noise_and_keep_context():
     assert len(errors) == 3 and "Unix socket 212287 not found" in errors[0]
     assert not any("RLIMIT" in e for e in errors)
     assert context[-1].endswith("flags: 2/0") and not any("RLIMIT" in c for c in context)
+
+
+def test_skipped_in_flight_lists_the_listening_sockets_from_criu_info_lines():
+    log = ("(00.081) Dumping inet socket at 5\n"
+           "(00.081) Skipping in-flight connection (l) for 57de2f\n"
+           "(00.090) Skipping in-flight connection (l) for a1\n")
+    assert skipped_in_flight(log) == ["57de2f", "a1"]
+    assert skipped_in_flight(DUMP_LOG.decode()) == []
 
 
 def test_check_criu_lists_everything_missing():

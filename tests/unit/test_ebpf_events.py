@@ -78,3 +78,27 @@ def test_landed_scope():
     assert landed_scope(0x01021994, 0o020666) is None     # /dev/null: a device node on tmpfs
     assert landed_scope(0xEF53, 0o100644) is None         # ext4: the snapshot holds it
     assert landed_scope(0, 0) is None                     # unknown
+
+
+def test_effects_with_names_that_are_not_utf8_serialize():
+    # zdtm sk-unix-rel binds a unix path with no NUL: the bytes read after it
+    # are stack garbage, decoded with surrogate escapes like any name
+    from ebpf import Effects, Sample, SocketRecord
+    ev = decode(raw(EventKind.BIND, family=1, path=b"sk-unix-rel.test\x98\xfe"))
+    assert ev.path == "sk-unix-rel.test\udc98\udcfe"
+    unix = Sample()
+    unix.add(ev.path)
+    eff = Effects(sandbox_id="sb", turn=1, source="bpf-cgroup",
+                  listening=[SocketRecord(pid=1, address=ev.path, alive=True)])
+    eff.connections.unix = unix
+    text = eff.model_dump_json()  # raised PydanticSerializationError (surrogates not allowed)
+    assert "sk-unix-rel.test\\\\x98\\\\xfe" in text
+    assert eff.model_dump(mode="json")["listening"][0]["address"] == "sk-unix-rel.test\\x98\\xfe"
+    assert Effects.model_validate_json(text).connections.unix.sample == ["sk-unix-rel.test\\x98\\xfe"]
+    # and the plan's reasons, which quote the address, are text that encodes too
+    from ebpf import classify
+    reasons = classify(eff).reasons
+    assert any("sk-unix-rel.test\\x98\\xfe" in r for r in reasons), reasons
+    "; ".join(reasons).encode("utf-8")
+    # the serializer changes no schema
+    assert Effects.model_json_schema(mode="serialization") == Effects.model_json_schema(mode="validation")

@@ -190,3 +190,9 @@ def test_an_interrupted_test_is_not_a_result_and_issue_tests_run_first() -> None
     assert zdtm.complete([Outcome("a", x, True) for x in v], v)
     names = [t.name for t in zdtm.order([ZdtmTest(n, []) for n in ("aaa", "pipe00", "stopped", "pid00")])]
     assert names == ["stopped", "pid00", "pipe00", "aaa"]
+
+
+def test_arch_may_list_several() -> None:
+    t = zdtm.ZdtmTest("rtc", [], {"arch": "x86_64 aarch64 arm ppc64"})
+    assert zdtm.skip_reason(t, "x86_64", lambda f: True) is None
+    assert zdtm.skip_reason(t, "s390x", lambda f: True) == "arch x86_64 aarch64 arm ppc64 only"
