@@ -747,9 +747,18 @@ class DockerEngine:
         async def ck_delete(req: Request) -> Reply:
             c = await self._find(req.params["ref"])
             name = req.params["name"]
-            cid = c.checkpoints.pop(name, name)
-            await asyncio.to_thread(d.delete_checkpoint, cid)
+            if name not in c.checkpoints:  # a crabd checkpoint id: deleted as crabd's API would
+                await asyncio.to_thread(d.delete_checkpoint, name)
+                return Reply(204)
+            # A Docker name is a handle on a crabd checkpoint: the name goes;
+            # the checkpoint too unless later ones still build on it (then
+            # crabd's retention removes it in time).
+            cid = c.checkpoints.pop(name)
             self._save(c)
+            try:
+                await asyncio.to_thread(d.delete_checkpoint, cid)
+            except FailedPrecondition as e:
+                log.info("docker checkpoint rm %s: keeping %s: %s", name, cid, e.message)
             return Reply(204)
 
     # --- helpers of the routes ------------------------------------------------------

@@ -208,3 +208,33 @@ def test_sdk(dk):
     sid = dk.client().sandbox("sdk")["id"]
     ct.remove(force=True)
     assert dk.client().sandboxes() == [] and _leaks(dk, [sid]) == []
+
+
+def test_checkpoints_and_crabd_control(dk):
+    """Docker's checkpoint commands map onto crabd checkpoints and rollback;
+    a container is a sandbox crabd's own client controls, and a sandbox made
+    through crabd's API is a container."""
+    docker = dk.docker
+    c = dk.client()
+    docker("run", "-d", "--name", "ck", "busybox", "sleep", "1000", check=True)
+    docker("exec", "ck", "sh", "-c", "echo one > /f", check=True)
+    docker("checkpoint", "create", "--leave-running", "ck", "c1", check=True)
+    docker("exec", "ck", "sh", "-c", "echo two > /f", check=True)
+    assert "c1" in _out(docker("checkpoint", "ls", "ck", check=True)).split()
+    docker("stop", "ck", check=True)
+    docker("start", "--checkpoint", "c1", "ck", check=True)
+    assert _out(docker("exec", "ck", "cat", "/f", check=True)) == "one\n"
+
+    # crabd's own rollback, by the Docker name, to the turn that wrote "two"
+    two = [k for k in c.checkpoints("ck") if k["turn"] == 2][0]
+    c.rollback("ck", two["id"])
+    assert _out(docker("exec", "ck", "cat", "/f", check=True)) == "two\n"
+    docker("checkpoint", "rm", "ck", "c1", check=True)
+    assert "c1" not in _out(docker("checkpoint", "ls", "ck", check=True)).split()
+
+    native = c.create_sandbox("busybox", name="native")
+    assert "native" in _out(docker("ps", "--format", "{{.Names}}", check=True)).split()
+    assert _out(docker("exec", "native", "echo", "hi", check=True)) == "hi\n"
+    sids = [native["id"], c.sandbox("ck")["id"]]
+    docker("rm", "-f", "native", "ck", check=True)
+    assert c.sandboxes() == [] and _leaks(dk, sids) == []
