@@ -572,6 +572,12 @@ def bench_fs(ctx: typer.Context) -> None:
     _bench("fs.py", ctx.args)
 
 
+@bench_app.command("docker", context_settings=_BENCH_CTX)
+def bench_docker(ctx: typer.Context) -> None:
+    """docker CLI/SDK -> dockerd vs -> crabd's Docker API, and crabd's client (bench/docker.py; --quick, --json)."""
+    _bench("docker.py", ctx.args)
+
+
 @bench_app.command("inspector", context_settings=_BENCH_CTX)
 def bench_inspector(ctx: typer.Context) -> None:
     """eBPF inspector overhead and accuracy (bench/inspector.py; --quick, --json)."""
