@@ -122,6 +122,7 @@ class DockerEngine:
         self.execs: dict[str, ExecJob] = {}
         self.mains: dict[str, asyncio.Task[None]] = {}
         self._changed = asyncio.Event()
+        self._detached: set[asyncio.Future[None]] = set()
         self.router = Router()
         self._load()
         self._routes()
@@ -203,13 +204,18 @@ class DockerEngine:
         raise DockerError(404, f"No such container: {ref}")
 
     # --- the main command -----------------------------------------------------------
-    def _env(self, c: Container, extra: list[str] | None = None) -> dict[str, str]:
+    @staticmethod
+    def _env_dict(pairs: list[str]) -> dict[str, str]:
+        """Docker's ["K=V", ...] (a bare "K" takes nothing: crabd has no host env to copy)."""
         env: dict[str, str] = {}
-        for e in [*(c.config.get("Env") or []), *(extra or [])]:
+        for e in pairs:
             k, eq, v = e.partition("=")
             if k and eq:
                 env[k] = v
         return env
+
+    def _env(self, c: Container) -> dict[str, str]:
+        return self._env_dict(list(c.config.get("Env") or []))
 
     async def _start(self, c: Container) -> None:
         argv = shapes.main_argv(c.config)
@@ -632,7 +638,7 @@ class DockerEngine:
                 raise DockerError(400, "No exec command specified")
             if body.get("Privileged"):
                 raise DockerError(400, "crabd cannot honour: Privileged exec (a sandbox holds untrusted agent code)")
-            env = {**self._env(c), **self._env(Container("", "", "", 0.0), body.get("Env") or [])}
+            env = {**self._env(c), **self._env_dict(list(body.get("Env") or []))}
             job = ExecJob(id=secrets.token_hex(32), container=c, argv=list(cmd), env=env,
                           workdir=body.get("WorkingDir") or None, user=body.get("User") or c.config.get("User") or "",
                           tty=bool(body.get("Tty")), stdin=bool(body.get("AttachStdin")))
@@ -653,7 +659,9 @@ class DockerEngine:
             tty = bool(body.get("Tty", job.tty))
             job.running = True
             if body.get("Detach"):
-                asyncio.ensure_future(self._run_exec(job, None, tty, b""))
+                task = asyncio.ensure_future(self._run_exec(job, None, tty, b""))
+                self._detached.add(task)  # a reference, so the task is not collected while it runs
+                task.add_done_callback(self._detached.discard)
                 return Reply.json({})
 
             async def run(s: Stream) -> None:

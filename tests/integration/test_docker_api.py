@@ -14,6 +14,7 @@ import io
 import os
 import shutil
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -155,6 +156,17 @@ def test_cli_errors_and_own_exit(dk):
     r = docker("run", "--rm", "--name", "gone", "busybox", "sh", "-c", "echo bye")
     assert r.returncode == 0 and _out(r) == "bye\n"
     assert docker("inspect", "gone").returncode != 0
+    # mini-swe-agent's pattern: run -d --rm ... sleep 2h, exec -w, then stop removes it
+    docker("run", "-d", "--rm", "--name", "msa", "-w", "/testbed", "busybox", "sleep", "2h", check=True)
+    assert _out(docker("exec", "-w", "/testbed", "msa", "sh", "-c", "pwd", check=True)) == "/testbed\n"
+    sids.append(dk.client().sandbox("msa")["id"])
+    docker("stop", "msa", check=True)
+    assert docker("inspect", "msa").returncode != 0
+    # crabd-docker: the docker CLI with -H of crabd's socket
+    r = subprocess.run([sys.executable, "-c", "from crabd.dockerapi.command import main; main()", "ps", "-a",
+                        "--format", "{{.Names}}"], capture_output=True, timeout=120,
+                       env={**os.environ, "CRABD_DOCKER_SOCKET": str(dk.docker_sock)})
+    assert r.returncode == 0 and sorted(r.stdout.decode().split()) == ["once", "twin"], r
     sids.append(dk.client().sandbox("once")["id"])
     docker("rm", "-f", "twin", "once", check=True)
     assert dk.client().sandboxes() == [] and _leaks(dk, sids) == []
@@ -238,3 +250,8 @@ def test_checkpoints_and_crabd_control(dk):
     sids = [native["id"], c.sandbox("ck")["id"]]
     docker("rm", "-f", "native", "ck", check=True)
     assert c.sandboxes() == [] and _leaks(dk, sids) == []
+
+
+def test_docker_api_off(start_daemon):
+    d = start_daemon(args=["--no-docker"], env={"CRABD_INSPECTOR": "proc"})
+    assert not (d.state / "docker.sock").exists()

@@ -88,3 +88,9 @@ def test_user_argv():
     assert shapes.user_argv("root", ["id"]) == ["id"]
     argv = shapes.user_argv("1000:1000", ["id"])
     assert argv[0] == "/bin/sh" and argv[-5:] == ["--reuid=1000", "--regid=1000", "--clear-groups", "--", "id"]
+
+
+def test_crabd_docker_command_line():
+    from crabd.dockerapi.command import argv
+    assert argv(["ps", "-a"], "/run/crabd/docker.sock", "/usr/bin/docker") == [
+        "/usr/bin/docker", "-H", "unix:///run/crabd/docker.sock", "ps", "-a"]
