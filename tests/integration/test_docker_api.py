@@ -255,3 +255,43 @@ def test_checkpoints_and_crabd_control(dk):
 def test_docker_api_off(start_daemon):
     d = start_daemon(args=["--no-docker"], env={"CRABD_INSPECTOR": "proc"})
     assert not (d.state / "docker.sock").exists()
+
+
+def test_recovery_and_fork_of_a_docker_container(dk):
+    """A harness on the docker CLI gains crabd's recovery and fork: the
+    sandbox's processes are killed (kill -9 of its init) between two steps;
+    crabd rolls it back to its last checkpoint and the next `docker exec`
+    finds the work done so far. Then best-of-N: fork the checkpoint of step
+    1 into two branches, run a different continuation in each through
+    docker exec, keep the one that passes."""
+    import signal
+
+    from crabd.testing import wait_until
+
+    docker = dk.docker
+    c = dk.client()
+    docker("run", "-d", "--name", "agent", "busybox", "sleep", "1000", check=True)
+    docker("exec", "agent", "sh", "-c", "echo step1 > /work.txt", check=True)
+    docker("exec", "agent", "sh", "-c", "echo step2 >> /work.txt", check=True)
+    wait_until(lambda: all(k["state"] == "committed" for k in c.checkpoints("agent", all=True)), "checkpoints committed")
+    since = max([e["seq"] for e in c.events()] or [0])
+    os.kill(c.sandbox("agent")["pid"], signal.SIGKILL)
+    wait_until(lambda: "sandbox.rolled_back" in [e["kind"] for e in c.events(since=since, sandbox=c.sandbox("agent")["id"])],
+               "crabd's automatic rollback", timeout=60)
+    assert _out(docker("exec", "agent", "cat", "/work.txt", check=True)) == "step1\nstep2\n"
+    assert __import__("json").loads(_out(docker("inspect", "agent", check=True)))[0]["State"]["Running"] is True
+
+    step1 = [k for k in c.checkpoints("agent") if k["turn"] == 1][0]
+    forks = c.fork(step1["id"], 2)["sandboxes"]
+    names = _out(docker("ps", "--format", "{{.Names}}", check=True)).split()
+    assert set(forks) <= set(names)
+    results = {}
+    for sid, cont in zip(forks, ["echo good >> /work.txt", "echo bad >> /work.txt"]):
+        assert _out(docker("exec", sid, "cat", "/work.txt", check=True)) == "step1\n"  # the branch starts at step 1
+        docker("exec", sid, "sh", "-c", cont, check=True)
+        results[sid] = docker("exec", sid, "grep", "-q", "good", "/work.txt").returncode
+    keep = [s for s, rc in results.items() if rc == 0]
+    assert len(keep) == 1
+    sids = [c.sandbox("agent")["id"], *forks]
+    docker("rm", "-f", "agent", *forks, check=True)
+    assert c.sandboxes() == [] and _leaks(dk, sids) == []
