@@ -221,7 +221,7 @@ class DockerEngine:
         argv = shapes.main_argv(c.config)
         c.idle = shapes.idle_seconds(argv, tty=bool(c.config.get("Tty")), open_stdin=bool(c.config.get("OpenStdin")))
         wd = c.config.get("WorkingDir") or ""
-        if wd and c.started_at is None:
+        if wd and wd != "/" and c.started_at is None:
             # Docker makes a missing working directory; so does this first turn.
             await self._exec(c, ["mkdir", "-p", wd], cwd="/")
         c.status, c.exit_code, c.started_at, c.finished_at, c.error = "running", 0, time.time(), None, ""
