@@ -169,6 +169,18 @@ class DockerEngine:
             except asyncio.TimeoutError:
                 pass
 
+    def _settle(self, c: Container) -> None:
+        """A `sleep N` main command that has ended: the container exits (and
+        goes, with --rm)."""
+        before = c.status
+        c.refresh()
+        if before == "running" and c.status == "exited" and c.sid in self.containers:
+            self._save(c)
+            if c.host.get("AutoRemove"):
+                task = asyncio.ensure_future(self._remove(c))
+                self._detached.add(task)
+                task.add_done_callback(self._detached.discard)
+
     async def _rows(self) -> list[Any]:
         return await asyncio.to_thread(self.daemon.store.list_sandboxes, None)
 
@@ -184,7 +196,7 @@ class DockerEngine:
                               config={"Image": r.image}, status="running", idle=float("inf"), persisted=False)
                 c.started_at = c.created
                 self.containers[r.id] = c
-            c.refresh()
+            self._settle(c)
             out.append(c)
         for sid in [s for s in self.containers if s not in live]:
             self.containers.pop(sid, None)  # destroyed through crabd's API
@@ -572,7 +584,7 @@ class DockerEngine:
             seen = c.finished_at
 
             def done() -> bool:
-                c.refresh()
+                self._settle(c)
                 if c.sid not in self.containers:
                     return True
                 if cond == "removed":
@@ -606,7 +618,7 @@ class DockerEngine:
 
             async def body() -> bytes:
                 if req.flag("follow"):
-                    await self._until(lambda: c.refresh() or c.status != "running" or c.sid not in self.containers)
+                    await self._until(lambda: self._settle(c) or c.status != "running" or c.sid not in self.containers)
                 return self._frames(c, [(s, t) for s, t in c.logs if want.get(s)])
             return Reply(200, headers=[("Content-Type", self._stream_type(bool(c.config.get("Tty"))))], later=body)
 
@@ -617,7 +629,8 @@ class DockerEngine:
 
             async def run(s: Stream) -> None:
                 seen = c.finished_at
-                await self._until(lambda: c.sid not in self.containers or (c.status == "exited" and c.finished_at != seen))
+                await self._until(lambda: self._settle(c) or c.sid not in self.containers
+                                  or (c.status == "exited" and c.finished_at != seen))
                 await s.write(self._frames(c, [(k, t) for k, t in c.logs if want.get(k)]))
             return Hijack(run, self._stream_type(bool(c.config.get("Tty"))))
 

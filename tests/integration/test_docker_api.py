@@ -152,6 +152,9 @@ def test_cli_errors_and_own_exit(dk):
     lg = docker("logs", "once", check=True)
     assert _out(lg) == "hi\n" and lg.stderr.decode() == "oops\n"
     assert _out(docker("ps", "-a", "--filter", "name=once", "--format", "{{.Status}}")).startswith("Exited (7)")
+    # an attached run of a command that only waits: it ends when its sleep would
+    r = docker("run", "--rm", "busybox", "sleep", "2")
+    assert r.returncode == 0, r
     # --rm: removed once it exits
     r = docker("run", "--rm", "--name", "gone", "busybox", "sh", "-c", "echo bye")
     assert r.returncode == 0 and _out(r) == "bye\n"
