@@ -16,7 +16,9 @@ dockerd is a private one started here (`dockerd --iptables=false
 the busybox test image imported; containers run with `--network none`.
 crabd is a `crabd serve` on its own state dir (BPF inspector unless
 --proc-inspector), so every crabd exec is a turn with a plan and a
-checkpoint, where dockerd's is not. Prints JSON: each op -> path ->
+checkpoint, where dockerd's is not. crash_mid_session: the container's
+processes killed between two steps of a session, on each engine (see
+_crash). Prints JSON: each op -> path ->
 {p50, p99, n} (ms, nearest-rank percentiles from bench/_stats.py), and
 ratio_p50 = docker_cli_crabd / docker_cli_dockerd per op.
 """
@@ -109,6 +111,34 @@ def _check_1mib(out: bytes | str) -> None:
         raise RuntimeError(f"the 1 MiB exec returned {n} bytes")
 
 
+def _crash(cli: Callable[..., list[str]], client: Any = None) -> dict[str, Any]:
+    """The same two-step session on each engine, with the container's
+    processes killed (kill -9 of its init / PID 1) between the steps, as
+    an OOM kill would: does the next `docker exec` find the first step's
+    work? dockerd: the container has exited, the exec fails. crabd: it
+    rolls the sandbox back to its last checkpoint and the exec goes on."""
+    name = "crash-session"
+    _run(cli("run", "-d", "--network", "none", "--name", name, IMAGE, "sleep", "1000"))
+    try:
+        _run(cli("exec", name, "sh", "-c", "echo step1 > /work.txt"))
+        if client is not None:  # the step's checkpoint is captured while the agent waits on its LLM
+            wait_until(lambda: all(k["state"] == "committed" for k in client.checkpoints(name, all=True)),
+                       "checkpoints committed")
+        pid = int(_run(cli("inspect", "--format", "{{.State.Pid}}", name)).strip())
+        os.kill(pid, 9)
+        t0 = time.monotonic()
+        deadline = t0 + 60
+        r = subprocess.run(cli("exec", name, "cat", "/work.txt"), capture_output=True, timeout=120)
+        while client is not None and r.returncode != 0 and time.monotonic() < deadline:
+            time.sleep(0.2)  # crabd's recovery is under way
+            r = subprocess.run(cli("exec", name, "cat", "/work.txt"), capture_output=True, timeout=120)
+        return {"exec_after_kill_rc": r.returncode, "work_kept": r.stdout == b"step1\n",
+                "error": r.stderr.decode()[-200:].strip(), "s_until_exec_ok": round(time.monotonic() - t0, 3)
+                if r.returncode == 0 else None}
+    finally:
+        subprocess.run(cli("rm", "-f", name), capture_output=True, timeout=120)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="few rounds (a smoke run)")
@@ -183,6 +213,7 @@ def main() -> None:
                 samples["exec_1mib_ms"][p].append(_timed(execute(p, name, ONE_MIB, _check_1mib)))
         for p in PATHS:
             remove(p, f"ex-{p.replace('_', '-')}")()
+        crash = {"dockerd": _crash(dd.cli), "crabd": _crash(cli["docker_cli_crabd"], client)}
     finally:
         crabd.shutdown()
         cleanup_state_dir(state)
@@ -194,6 +225,7 @@ def main() -> None:
         out[op] = {p: {"p50": percentile(xs, 50, 2), "p99": percentile(xs, 99, 2), "n": len(xs)} for p, xs in by.items()}
     out["ratio_p50"] = {op: round(out[op]["docker_cli_crabd"]["p50"] / out[op]["docker_cli_dockerd"]["p50"], 3)
                         for op in samples}
+    out["crash_mid_session"] = crash
     out["crabd_plans"] = plans  # the crabd_client execs' plans: each was a checkpointed turn
     out["setup"] = {"rounds": rounds, "lifecycle_rounds": lifecycle,
                     "inspector": "proc" if a.proc_inspector else "bpf", "cpus": os.cpu_count(),
