@@ -12,8 +12,9 @@ before the fix is forked into two branches, each driven by the same agent
 and environment classes with a different scripted continuation; the branch
 whose test passes is kept.
 
-Not shown here (see docs/docker.md): the same run on plain Docker losing
-the work (needs a dockerd with the image), and a PyPI sdist as the task.
+Not shown here: a PyPI sdist as the task; the same crash on plain Docker
+losing the work is in bench/docker.py (crash_mid_session: it needs a dockerd
+with the image), with the docker CLI's session pattern, not mini-swe-agent.
 """
 
 from __future__ import annotations
