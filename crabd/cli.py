@@ -141,7 +141,10 @@ def serve(config_file: Optional[Path] = typer.Option(None, "--config", help="TOM
           tcp: Optional[str] = typer.Option(None, "--tcp", help="also serve HOST:PORT over TCP (needs --token-file)"),
           token_file: Optional[Path] = typer.Option(None, "--token-file", help="bearer token for the TCP listener"),
           oracle: Optional[Path] = typer.Option(None, "--oracle", envvar="CRABD_ORACLE",
-                                                help="record each checkpoint's ground truth here (bench oracle)")) -> None:
+                                                help="record each checkpoint's ground truth here (bench oracle)"),
+          docker_socket: Optional[Path] = typer.Option(None, "--docker-socket",
+                                                       help="Docker API unix socket [default: docker.sock next to --socket]"),
+          no_docker: bool = typer.Option(False, "--no-docker", help="do not serve the Docker API")) -> None:
     """Run the crabd daemon (root): REST API on a unix socket."""
     import asyncio
     import logging
@@ -155,7 +158,9 @@ def serve(config_file: Optional[Path] = typer.Option(None, "--config", help="TOM
                                 auto_rollback=False if no_auto_rollback else None,
                                 tcp_listen=tcp, token_file=token_file.resolve() if token_file else None,
                                 scheduler={"enabled": False} if no_scheduler else None,
-                                capture=capture.value if capture else None)
+                                capture=capture.value if capture else None,
+                                docker_socket=docker_socket.resolve() if docker_socket else None,
+                                docker_api=False if no_docker else None)
     settings = _guard(build, False)
     if oracle is not None:  # read by crabd.serve into DaemonOptions.oracle_dir
         os.environ["CRABD_ORACLE"] = str(oracle.resolve())

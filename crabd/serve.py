@@ -128,6 +128,10 @@ async def serve(settings: Settings) -> None:
                                    reuse_port=False)
         tcp.setblocking(False)
         sockets.append(tcp)
+    docker = None
+    if settings.docker_socket_path is not None:
+        from .dockerapi import serve_docker
+        docker, _ = await serve_docker(daemon, settings.docker_socket_path)
     app = make_app(daemon, token=token, tokens=tokens)
     config = uvicorn.Config(app, log_level=settings.log_level, lifespan="off",
                             timeout_keep_alive=30)
@@ -150,6 +154,12 @@ async def serve(settings: Settings) -> None:
         sdnotify.stopping("shutting down")
         for t in (deaths, ann):
             t.cancel()
+        if docker is not None:
+            docker.close()
+            try:
+                settings.docker_socket_path.unlink()  # type: ignore[union-attr]
+            except FileNotFoundError:
+                pass
         await daemon.close()
         try:
             settings.socket.unlink()

@@ -101,6 +101,8 @@ class Settings(_Section):
 
     state_dir: Path = Path("/var/lib/crabd")
     socket: Path = Path("/run/crabd/crabd.sock")
+    docker_api: bool = Field(True, description="serve the Docker Engine API subset (crabd.dockerapi) on docker_socket")
+    docker_socket: Path | None = Field(None, description="its unix socket [default: docker.sock next to socket]")
     tcp_listen: str | None = Field(None, description='"HOST:PORT" for an optional TCP API; needs token_file')
     token_file: Path | None = Field(None, description="file holding the bearer token for the TCP API")
     tokens_file: Path | None = Field(None, description='per-owner bearer tokens, "owner:token" lines (mode 0600)')
@@ -118,7 +120,7 @@ class Settings(_Section):
     scheduler: SchedulerSettings = SchedulerSettings()
     snapshot: SnapshotSettings = SnapshotSettings()
 
-    @field_validator("state_dir", "socket", "token_file", "tokens_file")
+    @field_validator("state_dir", "socket", "token_file", "tokens_file", "docker_socket")
     @classmethod
     def _absolute(cls, v: Path | None) -> Path | None:
         # A relative path would resolve against systemd's cwd (/): say so now.
@@ -126,12 +128,12 @@ class Settings(_Section):
             raise ValueError(f"must be an absolute path, got {str(v)!r}")
         return v
 
-    @field_validator("socket")
+    @field_validator("socket", "docker_socket")
     @classmethod
-    def _socket_fits(cls, v: Path) -> Path:
+    def _socket_fits(cls, v: Path | None) -> Path | None:
         # sockaddr_un.sun_path holds 108 bytes with the NUL: a longer path
         # fails only at bind() time, deep in startup, with a vaguer message.
-        if len(str(v).encode()) > 107:
+        if v is not None and len(str(v).encode()) > 107:
             raise ValueError(f"unix socket path longer than 107 bytes: {str(v)!r}")
         return v
 
@@ -159,6 +161,13 @@ class Settings(_Section):
             raise ValueError("tcp_listen is set but token_file is not (nor tokens_file): "
                              "the TCP API is served only with a bearer token")
         return self
+
+    @property
+    def docker_socket_path(self) -> Path | None:
+        """Where the Docker API is served (None: not served)."""
+        if not self.docker_api:
+            return None
+        return self.docker_socket or self.socket.parent / "docker.sock"
 
     @property
     def tcp_host_port(self) -> tuple[str, int] | None:
