@@ -26,5 +26,6 @@ COMMANDS = {
     "effects": "effects",
     "oracle": "oracle",
     "latency": "latency",
+    "docker": "docker",
     "zdtm": "zdtm",
 }

@@ -30,20 +30,15 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-# Run as a script (crabd bench docker), bench/ would be first on the path and
-# this file would shadow the docker SDK: import from the checkout's root.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
-from bench._stats import percentile  # noqa: E402
-
-from crabd.runtime import Runtime  # noqa: E402
+# Run as `python -m bench.docker` or `crabd bench docker` (never as a script
+# path: bench/ first on sys.path would make this file shadow the docker SDK).
+from bench._stats import percentile
+from crabd.runtime import Runtime
 from crabd.testing import DaemonHandle, cleanup_state_dir, wait_until
 
 TEST_IMAGES = Path(os.environ.get("CRABD_TEST_STATE_DIR", "/var/lib/crabd-test"))
@@ -139,12 +134,16 @@ def _crash(cli: Callable[..., list[str]], client: Any = None) -> dict[str, Any]:
         subprocess.run(cli("rm", "-f", name), capture_output=True, timeout=120)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="few rounds (a smoke run)")
     ap.add_argument("--json", action="store_true", help="print only the JSON result")
     ap.add_argument("--proc-inspector", action="store_true", help="crabd with the /proc inspector (no BPF)")
-    a = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
     rounds, lifecycle = (5, 2) if a.quick else (30, 6)
 
     import docker as docker_sdk
@@ -233,14 +232,15 @@ def main() -> None:
                                (" --proc-inspector" if a.proc_inspector else "")}
     if a.json:
         print(json.dumps(out, indent=2))
-        return
+        return 0
     for op in samples:
         print(op)
         for p in PATHS:
             v = out[op][p]
             print(f"  {p:20s} p50 {v['p50']:9.2f} ms  p99 {v['p99']:9.2f} ms  n={v['n']}")
         print(f"  ratio p50 (docker CLI: crabd / dockerd) {out['ratio_p50'][op]}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

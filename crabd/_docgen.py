@@ -158,9 +158,10 @@ def render_cli() -> str:
         for name in sorted(subs):
             walk(path + [name], subs[name])
 
+    commands: dict[str, Any] = getattr(group, "commands", {})
     toc = []
-    for name in sorted(group.commands):
-        sub = group.commands[name]
+    for name in sorted(commands):
+        sub = commands[name]
         first = (sub.help or "").strip().split("\n\n")[0]
         toc.append(f"- `crabd {name}`" + (f": {_cell(first)}" if first else ""))
     out.append("\n".join(toc) + "\n")
@@ -457,7 +458,8 @@ def _event_calls() -> dict[str, dict[str, set[str]]]:
             elif isinstance(k, ast.Attribute) and isinstance(k.value, ast.Name) and k.value.id == "EventKind":
                 kind = "EventKind." + k.attr
             elif isinstance(k, ast.JoinedStr):
-                kind = "".join(v.value if isinstance(v, ast.Constant) else "{" + _placeholder(v.value) + "}"
+                kind = "".join(str(v.value) if isinstance(v, ast.Constant)
+                               else "{" + _placeholder(v.value) + "}" if isinstance(v, ast.FormattedValue) else "{?}"
                                for v in k.values)
             else:
                 continue
@@ -529,8 +531,8 @@ def render_events() -> str:
            "[concepts](../concepts.md).\n",
            "| kind | data fields | emitted by |" + (" description |" if any(r[3] for r in rows) else ""),
            "|---|---|---|" + ("---|" if any(r[3] for r in rows) else "")]
-    for kind, fields, where, doc in rows:
-        out.append(f"| `{kind}` | {fields} | {where} |" + (f" {_cell(doc)} |" if any(r[3] for r in rows) else ""))
+    for kind_name, fields_text, where_text, doc in rows:
+        out.append(f"| `{kind_name}` | {fields_text} | {where_text} |" + (f" {_cell(doc)} |" if any(r[3] for r in rows) else ""))
     return "\n".join(out).rstrip() + "\n"
 
 

@@ -13,7 +13,8 @@ Not settings, and read from the environment where they are used: the host
 layout of scripts/setup-host that library code needs without a daemon
 (CRABD_PREFIX, CRABD_INIT, CRABD_RUNC, CRABD_CRIU, and CRABD_STATE_DIR as the
 library's default state dir: crabd.config), the
-client's CRABD_SOCKET, and test or benchmark hooks that must never be set in
+clients' CRABD_SOCKET (and crabd-docker's CRABD_DOCKER_SOCKET and
+CRABD_DOCKER_CLI), and test or benchmark hooks that must never be set in
 a config file by mistake (CRABD_CHAOS*, CRABD_OVERLAY_MAX_DEPTH,
 CRABD_ORACLE, CRABD_PYTHON, CRABD_VERBOSE, CRABD_BENCH_CACHE), and the
 experimental fast exec path (CRABD_EXEC_CHANNEL, read by crabd.config: off

@@ -169,9 +169,10 @@ class DockerEngine:
             except asyncio.TimeoutError:
                 pass
 
-    def _settle(self, c: Container) -> None:
+    def _settle(self, c: Container) -> bool:
         """A `sleep N` main command that has ended: the container exits (and
-        goes, with --rm)."""
+        goes, with --rm). Always False, so that a wait condition can start
+        with it: `self._settle(c) or <condition>`."""
         before = c.status
         c.refresh()
         if before == "running" and c.status == "exited" and c.sid in self.containers:
@@ -180,6 +181,7 @@ class DockerEngine:
                 task = asyncio.ensure_future(self._remove(c))
                 self._detached.add(task)
                 task.add_done_callback(self._detached.discard)
+        return False
 
     async def _rows(self) -> list[Any]:
         return await asyncio.to_thread(self.daemon.store.list_sandboxes, None)

@@ -137,8 +137,8 @@ class Router:
 
     def route(self, method: str, pattern: str) -> Callable[[Handler], Handler]:
         """`pattern` with {name} segments (one path segment each; {name*}: the rest)."""
-        rx = re.sub(r"\{(\w+)\*\}", r"(?P<\1>.+)", pattern)
-        rx = re.compile("^" + re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", rx) + "$")
+        rest = re.sub(r"\{(\w+)\*\}", r"(?P<\1>.+)", pattern)
+        rx = re.compile("^" + re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", rest) + "$")
 
         def add(fn: Handler) -> Handler:
             self._routes.append((method, rx, fn))

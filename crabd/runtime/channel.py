@@ -271,23 +271,23 @@ def _follow_loop(s: socket.socket, in_w: int, close_stdin: Callable[[], None], o
                 while b"\n" in ctl:
                     line, ctl = ctl.split(b"\n", 1)
                     lines.append(line.decode(errors="replace"))
-                for line in lines:
-                    kind = line[:1]
+                for text in lines:
+                    kind = text[:1]
                     if kind == "P":
                         started = True
                     elif kind == "R" and not started:
-                        refused = line[2:]
+                        refused = text[2:]
                     elif kind in ("X", "S", "E", "C") and final is None:
-                        final = line
+                        final = text
                 lines.clear()
                 continue
-            chunk = read_ready(out_r if key.data == "out" else err_r)
-            if chunk is None:
+            got = read_ready(out_r if key.data == "out" else err_r)
+            if got is None:
                 continue
-            if not chunk:
+            if not got:
                 sel.unregister(key.fileobj)
                 continue
-            output.add(key.data, chunk)
+            output.add(key.data, got)
     sel.close()
     if refused is not None:
         raise Unavailable(f"the init refused the request: {refused}")

@@ -434,7 +434,7 @@ class Runtime:
         img_env = tuple(img.env) if img else ()
         return _merge_env(_merge_env(DEFAULT_ENV, img_env), tuple(f"{k}={v}" for k, v in (env or {}).items()))
 
-    def _exec_by_init(self, ref: str, argv: list[str], env: dict[str, str] | None, cwd: str | None, data: bytes,
+    def _exec_by_init(self, ref: str, argv: builtins.list[str], env: dict[str, str] | None, cwd: str | None, data: bytes,
                       timeout: float | None, output_limit: int) -> ExecResult | None:
         """The fast path (channel.py): the sandbox's init spawns the command.
         None when it cannot be used (no channel, frozen, refused): then
@@ -466,7 +466,7 @@ class Runtime:
             return None
         return self._exec_result(sb, argv, cap, timeout)
 
-    def _exec_result(self, sb: Sandbox, argv: list[str], cap: Any, timeout: float | None) -> ExecResult:
+    def _exec_result(self, sb: Sandbox, argv: builtins.list[str], cap: Any, timeout: float | None) -> ExecResult:
         """The agent's result of an exec from the wrapper's (or init's) report."""
         out = cap.stdout.decode(errors="replace")
         err = cap.stderr.decode(errors="replace")

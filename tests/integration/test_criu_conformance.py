@@ -41,7 +41,7 @@ from pathlib import Path
 
 import pytest
 
-from crabd.testing import settled_checkpoint
+from crabd.testing import settled_checkpoint, wait_until
 
 pytestmark = pytest.mark.integration
 

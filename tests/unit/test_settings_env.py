@@ -37,7 +37,7 @@ def test_a_bad_variable_names_itself() -> None:
 # keep their test hooks (CRABD_OVERLAY_MAX_DEPTH, CRABD_CRIU) for now.
 NOT_SETTINGS = {"CRABD_PREFIX", "CRABD_INIT", "CRABD_RUNC", "CRABD_CRIU", "CRABD_SOCKET", "CRABD_STATE_DIR",
                 "CRABD_ORACLE", "CRABD_PYTHON", "CRABD_VERBOSE", "CRABD_OVERLAY_MAX_DEPTH",
-                "CRABD_EXEC_CHANNEL"}
+                "CRABD_EXEC_CHANNEL", "CRABD_DOCKER_SOCKET", "CRABD_DOCKER_CLI"}
 
 
 def test_no_setting_is_read_from_the_environment_ad_hoc() -> None:
