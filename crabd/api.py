@@ -469,8 +469,9 @@ def make_app(daemon: Daemon, *, token: str | None = None, tokens: dict[str, str]
 
     @app.get("/v1/health")
     async def health() -> dict[str, Any]:
-        """The daemon's health: ok, uptime, the snapshot driver and the inspector in use, sandboxes, store schema
-        version."""
+        """The daemon's health: ok, uptime, the snapshot driver and the inspector in use (`loading` while the BPF
+        program compiles after a start: `inspector_ready` false, and every turn that ends meanwhile is saved whole),
+        sandboxes, store schema version."""
         return daemon.health()
 
     @app.get("/metrics", response_class=PlainTextResponse)

@@ -106,6 +106,9 @@ async def serve(settings: Settings) -> None:
     # inspector = "proc" ($CRABD_INSPECTOR): the /proc inspector instead of
     # compiling the BPF one (seconds of clang at start); API-layer tests use it.
     opts.use_bpf = settings.inspector != "proc"
+    # Serve at once; the BPF program compiles in the background (seconds) and
+    # turns that end before it is ready are saved whole (ebpf/_loading.py).
+    opts.inspector_async = True
     # A bad tokens file stops the daemon before it touches any state.
     tokens = load_tokens(settings.tokens_file) if settings.tokens_file is not None else None
     sdnotify.status("starting: loading state")

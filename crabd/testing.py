@@ -33,6 +33,9 @@ __all__ = ["FakeRunner", "DaemonHandle", "busybox_rootfs", "cleanup_state_dir", 
            "settled_checkpoints", "settled_checkpoint", "all_settled", "wait_until"]
 
 CRABD = str(Path(sys.executable).parent / "crabd")
+# How long start() waits for `crabd serve` to answer and load its inspector
+# (bcc compiles the BPF program: ~9 s idle, a minute under heavy load).
+INSPECTOR_WAIT_S = 180
 
 
 @dataclass
@@ -106,21 +109,29 @@ class DaemonHandle:
         self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> None:
+    def start(self, wait_inspector: bool = True) -> None:
+        """Start `crabd serve` and wait until it answers; with
+        `wait_inspector`, also until its inspector has loaded (it serves
+        before: turns that end meanwhile are planned FS_PROC, which tests of
+        plans must not see)."""
         env = None if self.env is None else {**os.environ, **self.env}
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([CRABD, "serve", "--state-dir", str(self.state), "--socket", str(self.socket),
                                           *self.args], stdout=log, stderr=log, start_new_session=True, env=env)
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + INSPECTOR_WAIT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"crabd serve exited: {self.log.read_text()[-2000:]}")
             try:
-                _client(self.socket).health()
-                return
+                h = _client(self.socket).health()
             except FailedPrecondition:
                 time.sleep(0.2)
-        raise AssertionError(f"crabd serve did not answer in 90 s: {self.log.read_text()[-2000:]}")
+                continue
+            if not wait_inspector or h.get("inspector_ready", True):
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"crabd serve did not answer (or load its inspector) in {INSPECTOR_WAIT_S} s: "
+                             f"{self.log.read_text()[-2000:]}")
 
     def kill9(self) -> None:
         assert self.proc is not None

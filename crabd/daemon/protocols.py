@@ -30,6 +30,10 @@ class DaemonOptions:
     auto_rollback: bool = True
     snapshot_driver: str = "auto"
     use_bpf: bool = True
+    # Load the BPF inspector in the background and serve meanwhile (turns
+    # ended before it is ready are blind: FS_PROC; ebpf/_loading.py). `crabd
+    # serve` turns it on; a Daemon built in-process loads before it returns.
+    inspector_async: bool = False
     scheduler: SchedulerPolicy | None = None      # default: SchedulerPolicy()
     standby_policy: StandbyPolicy | None = None   # default: one per sandbox, 2 GiB host-wide
     keep_last: int = 50           # retention: newest N checkpoints per sandbox ...

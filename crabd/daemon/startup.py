@@ -54,6 +54,13 @@ class Startup(DaemonBase):
         import ebpf
         if not self.options.use_bpf:
             return ebpf.ProcInspector(None)
+        if self.options.inspector_async:
+            from deltafs.snapshotter import chaos_point  # CRABD_CHAOS=inspector_load: a slow load, for tests
+
+            def load() -> Any:
+                chaos_point("inspector_load")
+                return ebpf.open_inspector(None)
+            return ebpf.LoadingInspector(load, fallback=lambda: ebpf.ProcInspector(None))
         return ebpf.open_inspector(None)
 
     async def start(self) -> None:

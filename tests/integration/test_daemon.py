@@ -414,14 +414,15 @@ def test_retention_retires_old_checkpoints_and_their_snapshots(runtime, busybox_
                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         c = Client(state / "s.sock")
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 180
         while True:
             try:
-                c.health()
-                break
+                if c.health()["inspector_ready"]:  # turns before it are saved whole: slower, not this test
+                    break
             except FailedPrecondition:
-                assert time.monotonic() < deadline and proc.poll() is None, "daemon did not come up"
-                time.sleep(0.2)
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "daemon did not come up"
+            time.sleep(0.2)
         sid = c.create_sandbox("busybox")["id"]
         for i in range(1, 10):
             c.exec(sid, f"echo {i} > /tmp/f{i}")
