@@ -139,7 +139,7 @@ async def serve(settings: Settings) -> None:
     config = uvicorn.Config(app, log_level=settings.log_level, lifespan="off",
                             timeout_keep_alive=30)
     server = uvicorn.Server(config)
-    deaths = asyncio.create_task(daemon.watch_deaths())
+    deaths = asyncio.create_task(daemon.watch_deaths(settings.death_poll_s))
 
     async def announce() -> None:
         while not server.started:

@@ -108,10 +108,13 @@ class Settings(_Section):
     token_file: Path | None = Field(None, description="file holding the bearer token for the TCP API")
     tokens_file: Path | None = Field(None, description='per-owner bearer tokens, "owner:token" lines (mode 0600)')
     auto_rollback: bool = Field(True, description="roll a sandbox that died back to its last checkpoint")
+    death_poll_s: float = Field(1.0, gt=0, le=3600,
+                                description="the death watch's safety-net poll (seconds); deaths are noticed at "
+                                            "once through a pidfd of each sandbox's init")
     watchdog: bool = Field(True, description="ping systemd's watchdog when the unit sets WatchdogSec=")
     capture: Literal["auto", "fs-only", "full"] = Field(
         "auto", description="auto: the classifier's plan; fs-only: never dump processes; "
-                            "full: CRIU dump + tar of changed files every turn (baseline)")
+                            "full: an FS snapshot and a CRIU dump every turn, through the same store (baseline)")
     inspector: Literal["bpf", "proc"] = Field(
         "bpf", description="the turn inspector: bpf (eBPF tracepoints, compiled at start) or proc "
                            "(/proc scans: no BPF, coarser plans; API-level tests use it)")

@@ -69,6 +69,8 @@ class Turns:
     died: str | None = None
     recoveries: list[Any] = field(default_factory=list)  # crabd.recovery.Attempt, newest last
     gave_up: bool = False  # automatic recovery exhausted its options: no more until a manual rollback
+    oom_kills: int | None = None  # memory.events oom_kill last seen (None: not read yet)
+    oom_file: str | None = None  # its cgroup's memory.events / memory.oom_control (set when watched)
 
 
 class DaemonBase:
@@ -142,6 +144,7 @@ class DaemonBase:
         def _drop_capture_leftovers(self, ck: CheckpointRow) -> None: ...
         # deathwatch.py
         async def _auto_recover(self, sid: str) -> None: ...
+        def wake_death_watch(self) -> None: ...
         async def _after_rollback(self, t: Turns, sid: str) -> None: ...
         def _live_init(self, sid: str) -> int | None: ...
 

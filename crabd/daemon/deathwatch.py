@@ -5,12 +5,20 @@ Part of `crabd.daemon`. `watch_deaths` runs as a task beside the API
 (`crabd/serve.py`); it also reaps what crabd, a child subreaper, adopted. The
 choice of what to try next after a death is pure (`crabd/recovery.py`):
 bounded, never a loop of restores of a target that keeps dying.
+
+A death is noticed when it happens: the watch holds a pidfd of each
+sandbox's init in the event loop (pidfd_open(2): readable once the process
+has exited), and a slow poll (`interval`) stays as the safety net (a pid
+not yet known, a pidfd that could not be opened). The same rounds read each
+sandbox's memory.events and report OOM kills of its processes
+(`sandbox.oom_kill`); an OOM kill of the init is a death like any other.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from typing import Any
 
@@ -26,31 +34,106 @@ __all__ = ["DeathWatch"]
 
 
 class DeathWatch(DaemonBase):
-    async def watch_deaths(self, interval: float = 0.5) -> None:
+    _death_wake: asyncio.Event | None = None
+    _pidfds: dict[str, tuple[int, int | None]]  # sandbox -> (init pid, its pidfd while armed)
+
+    async def watch_deaths(self, interval: float = 1.0) -> None:
         """Notice sandboxes whose init died (OOM kill, crash) and, per policy,
         roll them back to their last committed checkpoint; reap what crabd
-        (a child subreaper) adopted meanwhile."""
-        while True:
-            await asyncio.sleep(interval)
-            self._reap_adopted()
-            for sid, t in list(self.turns.items()):
-                if t.recovering or t.gave_up or t.lock.locked():
+        (a child subreaper) adopted meanwhile. Woken by an init's pidfd;
+        `interval` is the safety net's period."""
+        self._death_wake = asyncio.Event()
+        self._pidfds = {}
+        try:
+            while True:
+                self._arm_pidfds()
+                try:
+                    await asyncio.wait_for(self._death_wake.wait(), timeout=interval)
+                except asyncio.TimeoutError:
+                    pass
+                self._death_wake.clear()
+                await self._death_round()
+        finally:
+            self._disarm_pidfds()
+
+    def wake_death_watch(self) -> None:
+        """Ask the watch for a round now (e.g. a new init to arm a pidfd for).
+        Callable from any thread."""
+        loop, wake = getattr(self, "_loop", None), self._death_wake
+        if loop is not None and wake is not None:
+            loop.call_soon_threadsafe(wake.set)
+
+    def _arm_pidfds(self) -> None:
+        """One pidfd per live init, in the event loop: its exit wakes the watch."""
+        loop = asyncio.get_running_loop()
+        want = {sid: t.init_pid for sid, t in self.turns.items() if t.init_pid}
+        for sid in [s for s, (pid, _fd) in self._pidfds.items() if want.get(s) != pid]:
+            self._disarm(sid)
+        for sid, pid in want.items():
+            if sid in self._pidfds:
+                continue  # armed, or fired already for this pid (the round handles it)
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:  # gone already, or no pidfds here: the poll sees it
+                self._pidfds[sid] = (pid, None)
+                continue
+            self._pidfds[sid] = (pid, fd)
+            loop.add_reader(fd, self._init_exited, sid)
+
+    def _init_exited(self, sid: str) -> None:
+        pid, fd = self._pidfds.get(sid, (0, None))
+        if fd is not None:
+            asyncio.get_running_loop().remove_reader(fd)
+            os.close(fd)
+            self._pidfds[sid] = (pid, None)  # kept: not re-armed for the same pid
+        if self._death_wake is not None:
+            self._death_wake.set()
+
+    def _disarm(self, sid: str) -> None:
+        _pid, fd = self._pidfds.pop(sid, (0, None))
+        if fd is not None:
+            asyncio.get_running_loop().remove_reader(fd)
+            os.close(fd)
+
+    def _disarm_pidfds(self) -> None:
+        for sid in list(self._pidfds):
+            self._disarm(sid)
+
+    async def _death_round(self) -> None:
+        self._reap_adopted()
+        for sid, t in list(self.turns.items()):
+            self._check_oom(sid, t)
+            if t.recovering or t.gave_up or t.lock.locked():
+                continue
+            why = t.died
+            if why is None:
+                if t.init_pid is None or pid_alive(t.init_pid):
                     continue
-                why = t.died
-                if why is None:
-                    if t.init_pid is None or pid_alive(t.init_pid):
-                        continue
-                    reap(t.init_pid)
-                    try:
-                        sb = await asyncio.to_thread(self.runtime.get, sid)
-                    except NotFound:
-                        continue
-                    if sb.status == "running":
-                        t.init_pid = sb.pid
-                        continue
-                    why = f"init exited ({sb.status})"
-                t.died = None
-                await self._sandbox_died(sid, t, why)
+                reap(t.init_pid)
+                try:
+                    sb = await asyncio.to_thread(self.runtime.get, sid)
+                except NotFound:
+                    continue
+                if sb.status == "running":
+                    t.init_pid = sb.pid
+                    continue
+                why = f"init exited ({sb.status})"
+            t.died = None
+            await self._sandbox_died(sid, t, why)
+
+    def _check_oom(self, sid: str, t: Turns) -> None:
+        """Report OOM kills in the sandbox's cgroup since the last round."""
+        if t.oom_file is None:
+            return
+        try:
+            with open(t.oom_file) as f:
+                n = next((int(line.split()[1]) for line in f if line.startswith("oom_kill ")), 0)
+        except (OSError, ValueError):
+            return
+        if t.oom_kills is not None and n > t.oom_kills:
+            self.events.emit(EventKind.SANDBOX_OOM_KILL, sid, kills=n - t.oom_kills, total=n,
+                             fix="raise the sandbox's memory limit, or make the agent's commands use less")
+        t.oom_kills = n
 
     def _reap_adopted(self) -> None:
         """Reap the zombies crabd adopted (sandbox inits, CRIU's restored
@@ -82,6 +165,7 @@ class DeathWatch(DaemonBase):
         sb = await asyncio.to_thread(self.runtime.get, sid)
         t.init_pid = sb.pid
         t.died = None
+        self.wake_death_watch()  # arm a pidfd for the new init now
         if sb.status != "running" or (sb.pid is not None and not pid_alive(sb.pid)):
             t.died = f"its restored processes died during the rollback (runc: {sb.status})"
         if not t.recovering:  # a rollback asked for by hand starts automatic recovery over

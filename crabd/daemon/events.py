@@ -28,6 +28,7 @@ class EventKind(str, Enum):
     SANDBOX_LOST = "sandbox.lost"                # its runtime state is gone
     SANDBOX_ORPHAN_REMOVED = "sandbox.orphan_removed"
     SANDBOX_DIED = "sandbox.died"
+    SANDBOX_OOM_KILL = "sandbox.oom_kill"        # the kernel OOM-killed a process of it (memory.events)
     SANDBOX_ROLLED_BACK = "sandbox.rolled_back"
     SANDBOX_RESTORE_FAILED = "sandbox.restore_failed"
     SANDBOX_RECOVERY_FAILED = "sandbox.recovery_failed"

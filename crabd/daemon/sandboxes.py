@@ -96,9 +96,13 @@ class Sandboxes(DaemonBase):
             self.inspector.unwatch(sid)
         except Exception:
             pass
-        self.inspector.watch(sid, self.runtime.cgroup_v2_dir(sid), init_pid=sb.pid, outside_paths=_CRABD_PATHS)
+        cg = self.runtime.cgroup_v2_dir(sid)
+        self.inspector.watch(sid, cg, init_pid=sb.pid, outside_paths=_CRABD_PATHS)
         t = self.turns.setdefault(sid, Turns())
         t.init_pid = sb.pid
+        oom = self.runtime.layout.oom_events_file(sb.cgroup_rel)
+        t.oom_file = str(oom) if oom is not None else None
+        self.wake_death_watch()  # arm a pidfd for it now
 
     def sandbox_info(self, ref: str, owner: str | None = None) -> dict[str, Any]:
         row = self._own(self.store.get_sandbox(ref), owner)

@@ -49,6 +49,17 @@ class CgroupLayout:
     def v2_dir(self, rel: str) -> Path | None:
         return self.unified / rel.lstrip("/") if self.unified is not None else None
 
+    def oom_events_file(self, rel: str) -> Path | None:
+        """The file whose `oom_kill N` line counts the cgroup's OOM kills:
+        v2 memory.events, or v1 memory.oom_control (hybrid hosts keep the
+        memory controller in v1)."""
+        rel = rel.lstrip("/")
+        if self.v2_only and self.unified is not None:
+            return self.unified / rel / "memory.events"
+        if self.v1_freezer is not None:
+            return self.v1_freezer.parent / "memory" / rel / "memory.oom_control"
+        return None
+
 
 def detect_layout(root: Path = CGROUP_ROOT) -> CgroupLayout:
     if (root / "cgroup.controllers").exists():

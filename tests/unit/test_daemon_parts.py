@@ -33,7 +33,7 @@ KINDS_BEFORE = {
     "checkpoint.committed", "checkpoint.deleted", "checkpoint.discarded", "checkpoint.failed",
     "checkpoint.proc_failed", "checkpoint.sized", "checkpoints.retired", "effect.intent", "effect.unknown",
     "effects.not_undone", "effects.unmanaged", "ledger.failed", "maintenance.done", "sandbox.adopted",
-    "sandbox.created", "sandbox.destroyed", "sandbox.died", "sandbox.lost", "sandbox.orphan_removed",
+    "sandbox.created", "sandbox.destroyed", "sandbox.died", "sandbox.oom_kill", "sandbox.lost", "sandbox.orphan_removed",
     "sandbox.recovery_failed", "sandbox.recovery_fallback", "sandbox.recovery_gave_up", "sandbox.restore_failed",
     "sandbox.rolled_back", "sandbox.thawed", "standby.failed", "standby.ready", "standby.skipped",
     # made from the ledger's decision or outcome: f"effect.{decision}", f"effect.{state}"
