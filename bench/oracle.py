@@ -1,5 +1,8 @@
 """crabd bench oracle: adversarial seeded sessions, each checkpoint compared with the ground truth (issue 14).
 
+Size: the generator, the session driver, the fault injection and the
+shrinker of one benchmark; the record and the comparison are crabd/oracle.py.
+
 Runs `crabd serve --oracle DIR` (crabd/oracle.py records, with the sandbox
 frozen at each capture instant, every file on every mount the sandbox has,
 its processes and the in-memory state of instrumented workers), drives

@@ -2,6 +2,9 @@
 crabd daemon, with a fault injected and the method's recovery checked
 (`Bench`), and the record of each run (`RunRecord`).
 
+Size: the one harness every recovery mode shares (five methods, three
+faults, their checks); splitting it by method would repeat the trace driver.
+
 bench/recovery.py is the command (options, the order of the runs);
 recovery_chain.py, recovery_scale.py and recovery_report.py build on this
 module and never import the command, so the modules form no cycle.

@@ -1,6 +1,10 @@
 #!/usr/bin/env python3
 """zdtm conformance: CRIU's own static tests, each run through crabd.
 
+Size: one benchmark driver (source fetch and verification, the static build,
+the test image, five variants per test, the report); its pure parts (the
+catalogue, .desc parsing) are unit-tested from here.
+
     python -m bench.zdtm [--quick] [--tests a,b,c] [--json] [--out DIR] [--jobs N]
                          [--variants native,dump_continue,auto_recovery,rollback,fork]
     python -m bench.zdtm --build-only [--tests a,b,c]

@@ -1,5 +1,9 @@
 """The Docker API routes, on top of the Daemon's public methods.
 
+Size: one route per Docker endpoint (~40), kept in one table so that the
+subset crabd serves reads in one place; the pure translation is in shapes.py
+and the wire protocol in wire.py.
+
 A container is a crabd sandbox. What Docker has and crabd does not (the
 container's main command, its state, logs, labels, env, working dir, user)
 is kept here, in `<state>/docker/<sandbox id>.json`, so it survives a
