@@ -32,6 +32,10 @@ log = logging.getLogger("crabd")
 
 __all__ = ["DeathWatch"]
 
+# A dead init whose sandbox is busy (a turn or capture holds its lock) is
+# looked at again this soon, instead of at the safety-net poll.
+RETRY_BUSY_S = 0.05
+
 
 class DeathWatch(DaemonBase):
     _death_wake: asyncio.Event | None = None
@@ -101,9 +105,15 @@ class DeathWatch(DaemonBase):
 
     async def _death_round(self) -> None:
         self._reap_adopted()
+        retry = False
         for sid, t in list(self.turns.items()):
             self._check_oom(sid, t)
-            if t.recovering or t.gave_up or t.lock.locked():
+            if t.gave_up:
+                continue
+            if t.recovering or t.lock.locked():
+                # busy (a turn, a capture, a recovery): a death its pidfd
+                # reported is handled on a round soon after, not at the poll
+                retry = retry or (t.init_pid is not None and not pid_alive(t.init_pid))
                 continue
             why = t.died
             if why is None:
@@ -120,6 +130,8 @@ class DeathWatch(DaemonBase):
                 why = f"init exited ({sb.status})"
             t.died = None
             await self._sandbox_died(sid, t, why)
+        if retry and self._death_wake is not None:
+            asyncio.get_running_loop().call_later(RETRY_BUSY_S, self._death_wake.set)
 
     def _check_oom(self, sid: str, t: Turns) -> None:
         """Report OOM kills in the sandbox's cgroup since the last round."""
@@ -182,6 +194,10 @@ class DeathWatch(DaemonBase):
             return  # destroyed meanwhile
         t.recovering = True
         try:
+            # A capture still running (the init died right after a turn's
+            # reply) may commit that turn's checkpoint: it is the recovery
+            # target then. Choosing before it ends went back one turn too far.
+            await self._wait_capture(t)
             try:
                 target, older = await asyncio.to_thread(self._recovery_targets, sid)
             except NotFound:

@@ -53,3 +53,18 @@ def test_an_oom_kill_is_reported(start_daemon):
     ev = next(e for e in c.events(since=since, sandbox=sid) if e["kind"] == "sandbox.oom_kill")
     assert ev["data"]["kills"] >= 1 and "memory limit" in ev["data"]["fix"], ev
     assert c.exec(sid, "true")["exit_code"] == 0  # the init was not the one killed: the sandbox goes on
+
+
+def test_a_death_during_a_capture_is_handled_when_the_capture_ends(start_daemon):
+    """The init dies while the turn's capture holds the sandbox (the capture
+    is held 3 s in its file-system commit by CRABD_CHAOS=fs_commit): the watch
+    must come back to it when the capture ends, not at the 10-minute poll."""
+    c = start_daemon(env={"CRABD_DEATH_POLL_S": "600", "CRABD_CHAOS": "fs_commit",
+                          "CRABD_CHAOS_SLEEP": "3"}).client()
+    sid = c.create_sandbox("busybox")["id"]
+    since = _last_seq(c, sid)
+    r = c.exec(sid, "echo kept > /kept")  # FS: its capture starts now and is held 3 s
+    assert r["plan"] == "FS", r
+    os.kill(c.sandbox(sid)["pid"], signal.SIGKILL)
+    _recovered_after(c, sid, since)
+    assert c.exec(sid, "cat /kept")["stdout"] == "kept\n"
