@@ -155,7 +155,7 @@ class TurnLoop(DaemonBase):
         if passed:
             blind = blind or (f"checkpoint(s) {', '.join(c.id for c in passed[:3])} did not commit "
                               f"({passed[0].state}): their turns' changes were never saved")
-        if blind and kind != "FS_PROC":
+        if blind:  # said even when the plan was FS_PROC already: it is why the next ones may save less
             kind = "FS_PROC"
             reasons = [blind_reason(blind)] + reasons
         kind, reasons = apply_mode(kind, reasons, self.options.capture)
