@@ -14,6 +14,7 @@ imports crabd.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 from ebpf._bcc import bpf_problem
 from ebpf.classifier import Plan, PlanKind, classify
@@ -64,7 +65,13 @@ def open_inspector(change_probe: ChangeProbe | None = None) -> Inspector | ProcI
     return insp
 
 
-def open_inspector_async(change_probe: ChangeProbe | None = None) -> LoadingInspector:
+def open_inspector_async(change_probe: ChangeProbe | None = None,
+                         before_load: Callable[[], None] | None = None) -> LoadingInspector:
     """`open_inspector` in a background thread, behind a `LoadingInspector`
-    that stands in for it meanwhile (see ebpf/_loading.py)."""
-    return LoadingInspector(lambda: open_inspector(change_probe), fallback=lambda: ProcInspector(change_probe))
+    that stands in for it meanwhile (see ebpf/_loading.py). `before_load`
+    runs first in that thread (a test hook: hold the load)."""
+    def load() -> Inspector | ProcInspector:
+        if before_load is not None:
+            before_load()
+        return open_inspector(change_probe)
+    return LoadingInspector(load, fallback=lambda: ProcInspector(change_probe))

@@ -56,11 +56,7 @@ class Startup(DaemonBase):
             return ebpf.ProcInspector(None)
         if self.options.inspector_async:
             from deltafs.snapshotter import chaos_point  # CRABD_CHAOS=inspector_load: a slow load, for tests
-
-            def load() -> Any:
-                chaos_point("inspector_load")
-                return ebpf.open_inspector(None)
-            return ebpf.LoadingInspector(load, fallback=lambda: ebpf.ProcInspector(None))
+            return ebpf.open_inspector_async(None, before_load=lambda: chaos_point("inspector_load"))
         return ebpf.open_inspector(None)
 
     async def start(self) -> None:
