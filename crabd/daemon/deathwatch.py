@@ -113,7 +113,7 @@ class DeathWatch(DaemonBase):
             if t.recovering or t.lock.locked():
                 # busy (a turn, a capture, a recovery): a death its pidfd
                 # reported is handled on a round soon after, not at the poll
-                retry = retry or (t.init_pid is not None and not pid_alive(t.init_pid))
+                retry = retry or t.died is not None or (t.init_pid is not None and not pid_alive(t.init_pid))
                 continue
             why = t.died
             if why is None:

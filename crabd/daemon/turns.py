@@ -18,7 +18,7 @@ import sqlite3
 import time
 from typing import Any, Sequence
 
-from ..errors import CrabdError, NotFound
+from ..errors import CrabdError, NotFound, SandboxNotRunning
 from ..runtime import pid_alive
 from ..store import CheckpointRow, SandboxRow
 from .base import DaemonBase, Turns
@@ -41,6 +41,7 @@ class TurnLoop(DaemonBase):
             if t.last_end is not None:
                 self.scheduler.policy.observe_gap(row.id, t0 - t.last_end)
             row = await asyncio.to_thread(self.store.get_sandbox, row.id)
+            self._refuse_if_dead(row, t)
             turn = row.turn + 1
             # Budget: refused when used up, else this turn is counted now.
             await asyncio.to_thread(self.ledger.begin_turn, row.lineage, row.id)
@@ -69,6 +70,21 @@ class TurnLoop(DaemonBase):
             return {**res.to_dict(), "turn": turn, "checkpoint": ck.id, "plan": ck.plan,
                     "reasons": ck.reasons, "stall_ms": round(stall * 1000, 3),
                     "external": bool(effects.external), "branch": row.branch}
+
+    def _refuse_if_dead(self, row: SandboxRow, t: Turns) -> None:
+        """A sandbox whose init is dead and not yet recovered runs nothing:
+        refused before a turn is counted (its death is handled by the watch,
+        which this wakes), never a turn and a checkpoint of a dead sandbox."""
+        sid = row.id
+        why = t.died or ("its init exited" if t.init_pid is not None and not pid_alive(t.init_pid) else None)
+        if why is None and row.state == "dead":
+            why = "not recovered"
+        if why is None:
+            return
+        self.wake_death_watch()
+        fix = ("wait for its automatic recovery (crabd events --follow) and retry" if self.options.auto_rollback
+               else f"crabd rollback {sid} [checkpoint]")
+        raise SandboxNotRunning(f"sandbox {sid} died ({why}); no command ran", fix=fix)
 
     async def end_turn(self, ref: str, owner: str | None = None) -> dict[str, Any]:
         """An explicit turn boundary for agents that run commands some other way."""

@@ -68,3 +68,28 @@ def test_a_death_during_a_capture_is_handled_when_the_capture_ends(start_daemon)
     os.kill(c.sandbox(sid)["pid"], signal.SIGKILL)
     _recovered_after(c, sid, since)
     assert c.exec(sid, "cat /kept")["stdout"] == "kept\n"
+
+
+def test_a_dead_sandbox_runs_no_turn(start_daemon):
+    """With automatic recovery off, an exec into a sandbox whose init died is
+    refused before a turn is counted: no turn, no checkpoint of a dead
+    sandbox, and the error says how to bring it back."""
+    from crabd.errors import SandboxNotRunning
+    c = start_daemon(env={"CRABD_AUTO_ROLLBACK": "false"}).client()
+    sid = c.create_sandbox("busybox")["id"]
+    first = c.exec(sid, "echo kept > /kept")
+    since = _last_seq(c, sid)
+    os.kill(c.sandbox(sid)["pid"], signal.SIGKILL)
+    wait_until(lambda: any(e["kind"] == "sandbox.died" for e in c.events(since=since, sandbox=sid)),
+               "sandbox.died", 30)
+    before = c.sandbox(sid)
+    try:
+        c.exec(sid, "echo lost > /lost")
+    except SandboxNotRunning as e:
+        assert "no command ran" in str(e) and "crabd rollback" in str(e.fix), (str(e), e.fix)
+    else:
+        raise AssertionError("an exec into a dead sandbox ran")
+    after = c.sandbox(sid)
+    assert after["turn"] == before["turn"] and after["head"] == before["head"] == first["checkpoint"], (before, after)
+    c.rollback(sid, first["checkpoint"])
+    assert c.exec(sid, "cat /kept")["stdout"] == "kept\n"

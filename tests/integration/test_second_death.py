@@ -40,7 +40,7 @@ class CgroupKiller:
     -- then kill them: they die in
     the daemon's hands, between the restore and the end of the rollback."""
 
-    def __init__(self, sid: str, linger: float | None = 0.3, restored: bool = False) -> None:
+    def __init__(self, sid: str, linger: float | None = 0.05, restored: bool = False) -> None:
         layout = detect_layout()
         rel = f"/crabd/{sid}"
         self.files = [d / "cgroup.procs" for d in (layout.freezer_dir(rel), layout.v2_dir(rel)) if d is not None]
