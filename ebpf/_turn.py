@@ -67,7 +67,9 @@ _DEVICES = {
 }  # fmt: skip
 # /proc paths that alias files of the file system.
 _PROC_ALIAS = re.compile(r"^/proc/[^/]+/(fd|cwd|root|map_files|task/[^/]+/(fd|cwd|root))(/|$)")
-_OPAQUE = {1: "io_uring", 2: "process_vm_writev", 3: "ptrace writes into another process"}
+_OPAQUE = {1: "io_uring", 2: "process_vm_writev", 3: "ptrace writes into another process",
+           4: "pidfd_getfd: a file descriptor taken from another process",
+           5: "another process's scheduling, I/O priority or limits changed"}
 _KOBJ = {1: "System V shared memory", 2: "System V message queue", 3: "System V semaphore", 4: "POSIX mqueue"}
 
 

@@ -7,13 +7,14 @@ counts as the worst case. The decision table (documented in the README):
     condition                                               plan
     ------------------------------------------------------  -------
     events were dropped                                     FS_PROC
-    blind spot (io_uring, ptrace/process_vm_writev pokes)   FS_PROC
+    blind spot (io_uring, ptrace/process_vm_writev pokes,
+      pidfd_getfd, another process reniced or limited)      FS_PROC
     a process created in the turn is alive at its end       FS_PROC
     a process alive at the last turn end exited             FS_PROC
     a process alive at the last turn end ran in this turn   FS_PROC
     a socket started listening and its process is alive     FS_PROC
     mount / umount                                          FS_PROC
-    System V IPC object or POSIX message queue created      FS_PROC
+    System V IPC object or POSIX message queue used         FS_PROC
     write to /proc or /sys (kernel state)                   FS_PROC
     a tmpfs changed (/dev path, or the turn-end tmpfs scan) FS_PROC
     any file-system change (write, create, delete, ...)     FS
@@ -93,7 +94,7 @@ def classify(effects: Effects) -> Plan:
     if e.mounts.count:
         need(proc, f"{e.mounts.count} mount change(s): {', '.join(e.mounts.sample[:3])}")
     if e.kernel_objects.count:
-        need(proc, f"{e.kernel_objects.count} IPC object(s) / message queue(s) created")
+        need(proc, f"{e.kernel_objects.count} IPC object(s) / message queue(s) created or used")
     for scope in ("kernel", "tmpfs"):
         s = e.special_writes.get(scope)
         if s and s.count:

@@ -177,7 +177,7 @@ class Effects(BaseModel):
     connections: Connections = Field(default_factory=Connections)
     mounts: Sample = Field(default_factory=Sample, description="mount, umount, move_mount, mount_setattr")
     kernel_objects: Sample = Field(
-        default_factory=Sample, description="System V IPC objects, POSIX message queues created"
+        default_factory=Sample, description="System V IPC objects, POSIX message queues created or used"
     )
     blind_spots: list[str] = Field(
         default_factory=list,

@@ -626,19 +626,77 @@ TRACEPOINT_PROBE(syscalls, sys_enter_mount_setattr)
 TRACEPOINT_PROBE(syscalls, sys_enter_shmget) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, 0, 0, 1); }
 TRACEPOINT_PROBE(syscalls, sys_enter_msgget) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, 0, 0, 2); }
 TRACEPOINT_PROBE(syscalls, sys_enter_semget) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, 0, 0, 3); }
-TRACEPOINT_PROBE(syscalls, sys_enter_mq_open)
-{
-    if (!(args->oflag & O_CREAT_))
-        return 0;
-    return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, args->u_name, 0, 4);
-}
+/* Any open of a queue: one opened without O_CREAT can still be sent to,
+ * received from (a message consumed) or have its attributes set. */
+TRACEPOINT_PROBE(syscalls, sys_enter_mq_open) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, args->u_name, 0, 4); }
+/* ... and every operation on such an object: its id needs no *get call in
+ * the same turn (ids are small integers, listed by /proc/sysvipc and
+ * `ipcs`; `ipcrm -q ID` removes a queue with msgctl alone), and a message
+ * received or a semaphore taken changes it as much as one sent. */
+TRACEPOINT_PROBE(syscalls, sys_enter_shmat) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, 0, 0, 1); }
+TRACEPOINT_PROBE(syscalls, sys_enter_shmctl) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, 0, 0, 1); }
+TRACEPOINT_PROBE(syscalls, sys_enter_msgsnd) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, 0, 0, 2); }
+TRACEPOINT_PROBE(syscalls, sys_enter_msgrcv) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, 0, 0, 2); }
+TRACEPOINT_PROBE(syscalls, sys_enter_msgctl) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, 0, 0, 2); }
+TRACEPOINT_PROBE(syscalls, sys_enter_semop) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, 0, 0, 3); }
+TRACEPOINT_PROBE(syscalls, sys_enter_semtimedop) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, 0, 0, 3); }
+TRACEPOINT_PROBE(syscalls, sys_enter_semctl) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, 0, 0, 3); }
+TRACEPOINT_PROBE(syscalls, sys_enter_mq_timedsend) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, 0, 0, 4); }
+TRACEPOINT_PROBE(syscalls, sys_enter_mq_timedreceive) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, 0, 0, 4); }
+TRACEPOINT_PROBE(syscalls, sys_enter_mq_getsetattr) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, 0, 0, 4); }
+TRACEPOINT_PROBE(syscalls, sys_enter_mq_notify) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, 0, 0, 4); }
+TRACEPOINT_PROBE(syscalls, sys_enter_mq_unlink) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, args->u_name, 0, 4); }
 
 /* Effects we cannot see through: io_uring submissions, writes into another
- * process's memory. */
+ * process's memory, a file description taken from another process,
+ * another process's scheduling or limits. */
 TRACEPOINT_PROBE(syscalls, sys_enter_io_uring_setup) { return simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, 1); }
 TRACEPOINT_PROBE(syscalls, sys_enter_process_vm_writev)
 {
     return simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, 2);
+}
+/* A file description taken out of another process: writes through it
+ * need no open in this turn (the open was in an older turn, by an older
+ * process that does not run now). */
+TRACEPOINT_PROBE(syscalls, sys_enter_pidfd_getfd) { return simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, 4); }
+/* Another process's scheduling, I/O priority or limits changed without it
+ * running (renice -p, chrt -p, prlimit --pid, ionice -p, setpriority of a
+ * group or a user): CRIU saves them. A pid of 0 is the caller itself, a
+ * process of this turn; a pid naming the caller is counted too (the pid is
+ * in the sandbox's pid namespace: telling it apart is not worth a miss). */
+TRACEPOINT_PROBE(syscalls, sys_enter_setpriority)
+{
+    if (args->which == 0 && args->who == 0) /* PRIO_PROCESS, self */
+        return 0;
+    return simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, 5);
+}
+TRACEPOINT_PROBE(syscalls, sys_enter_ioprio_set)
+{
+    if (args->which == 1 && args->who == 0) /* IOPRIO_WHO_PROCESS, self */
+        return 0;
+    return simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, 5);
+}
+TRACEPOINT_PROBE(syscalls, sys_enter_prlimit64)
+{
+    if (args->pid == 0 || args->new_rlim == 0)
+        return 0;
+    return simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, 5);
+}
+TRACEPOINT_PROBE(syscalls, sys_enter_sched_setscheduler)
+{
+    return args->pid ? simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, 5) : 0;
+}
+TRACEPOINT_PROBE(syscalls, sys_enter_sched_setparam)
+{
+    return args->pid ? simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, 5) : 0;
+}
+TRACEPOINT_PROBE(syscalls, sys_enter_sched_setattr)
+{
+    return args->pid ? simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, 5) : 0;
+}
+TRACEPOINT_PROBE(syscalls, sys_enter_sched_setaffinity)
+{
+    return args->pid ? simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, 5) : 0;
 }
 TRACEPOINT_PROBE(syscalls, sys_enter_ptrace)
 {
