@@ -20,6 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from crabd.runtime import Runtime
+from crabd.testing import wait_until
+
 DOCKER = shutil.which("docker")
 
 
@@ -297,4 +300,34 @@ def test_recovery_and_fork_of_a_docker_container(dk):
     assert len(keep) == 1
     sids = [c.sandbox("agent")["id"], *forks]
     docker("rm", "-f", "agent", *forks, check=True)
+    assert c.sandboxes() == [] and _leaks(dk, sids) == []
+
+
+def test_run_as_fork_of_a_checkpoint(dk):
+    """`docker run --label crabd.fork-from=CHECKPOINT` makes the container a
+    crabd fork of that checkpoint, named by --name: how a harness that only
+    knows `docker run` (mini-swe-agent's environment, through its run_args)
+    starts best-of-N branches. Bad references are refused, not ignored."""
+    docker = dk.docker
+    c = dk.client()
+    docker("run", "-d", "--name", "src", "busybox", "sleep", "1000", check=True)
+    docker("exec", "src", "sh", "-c", "echo step1 > /work.txt", check=True)
+    docker("exec", "src", "sh", "-c", "echo step2 >> /work.txt", check=True)
+    wait_until(lambda: all(k["state"] == "committed" for k in c.checkpoints("src", all=True)), "checkpoints committed")
+    step1 = [k for k in c.checkpoints("src") if k["turn"] == 1][0]
+    label = f"crabd.fork-from={step1['id']}"
+    docker("run", "-d", "--rm", "--name", "branch", "--label", label, "busybox", "sleep", "1000", check=True)
+    assert _out(docker("exec", "branch", "cat", "/work.txt", check=True)) == "step1\n"
+    assert c.sandbox("branch")["forked_from"] == step1["id"]  # crabd's name is the Docker name
+    assert _out(docker("exec", "src", "cat", "/work.txt", check=True)) == "step1\nstep2\n"
+
+    r = docker("run", "-d", "--name", "nope", "--label", "crabd.fork-from=sb-none-1", "busybox", "sleep", "1")
+    assert r.returncode != 0 and b"No such crabd checkpoint: sb-none-1" in r.stderr, r.stderr
+    r = docker("run", "-d", "--name", "nope", "--memory", "64m", "--label", label, "busybox", "sleep", "1")
+    assert r.returncode != 0 and b"keeps the limits of its checkpoint's sandbox" in r.stderr, r.stderr
+    Runtime(dk.state).images.import_path(str(Runtime(dk.state).images.get("busybox").path), "other")
+    r = docker("run", "-d", "--name", "nope", "--label", label, "other", "sleep", "1")
+    assert r.returncode != 0 and b"is of a sandbox of image 'busybox', not 'other'" in r.stderr, r.stderr
+    sids = [c.sandbox("src")["id"], c.sandbox("branch")["id"]]
+    docker("rm", "-f", "src", "branch", check=True)
     assert c.sandboxes() == [] and _leaks(dk, sids) == []
