@@ -263,6 +263,16 @@ def test_docker_api_off(start_daemon):
     assert not (d.state / "docker.sock").exists()
 
 
+def _two_steps(dk, name: str) -> None:
+    """A busybox container NAME whose two steps wrote /work.txt ("step1",
+    then "step2"), both steps' checkpoints captured."""
+    dk.docker("run", "-d", "--name", name, "busybox", "sleep", "1000", check=True)
+    dk.docker("exec", name, "sh", "-c", "echo step1 > /work.txt", check=True)
+    dk.docker("exec", name, "sh", "-c", "echo step2 >> /work.txt", check=True)
+    c = dk.client()
+    wait_until(lambda: all(k["state"] == "committed" for k in c.checkpoints(name, all=True)), "checkpoints committed")
+
+
 def test_recovery_and_fork_of_a_docker_container(dk):
     """A harness on the docker CLI gains crabd's recovery and fork: the
     sandbox's processes are killed (kill -9 of its init) between two steps;
@@ -272,14 +282,9 @@ def test_recovery_and_fork_of_a_docker_container(dk):
     docker exec, keep the one that passes."""
     import signal
 
-    from crabd.testing import wait_until
-
     docker = dk.docker
     c = dk.client()
-    docker("run", "-d", "--name", "agent", "busybox", "sleep", "1000", check=True)
-    docker("exec", "agent", "sh", "-c", "echo step1 > /work.txt", check=True)
-    docker("exec", "agent", "sh", "-c", "echo step2 >> /work.txt", check=True)
-    wait_until(lambda: all(k["state"] == "committed" for k in c.checkpoints("agent", all=True)), "checkpoints committed")
+    _two_steps(dk, "agent")
     since = max([e["seq"] for e in c.events()] or [0])
     os.kill(c.sandbox("agent")["pid"], signal.SIGKILL)
     wait_until(lambda: "sandbox.rolled_back" in [e["kind"] for e in c.events(since=since, sandbox=c.sandbox("agent")["id"])],
@@ -310,10 +315,7 @@ def test_run_as_fork_of_a_checkpoint(dk):
     starts best-of-N branches. Bad references are refused, not ignored."""
     docker = dk.docker
     c = dk.client()
-    docker("run", "-d", "--name", "src", "busybox", "sleep", "1000", check=True)
-    docker("exec", "src", "sh", "-c", "echo step1 > /work.txt", check=True)
-    docker("exec", "src", "sh", "-c", "echo step2 >> /work.txt", check=True)
-    wait_until(lambda: all(k["state"] == "committed" for k in c.checkpoints("src", all=True)), "checkpoints committed")
+    _two_steps(dk, "src")
     step1 = [k for k in c.checkpoints("src") if k["turn"] == 1][0]
     label = f"crabd.fork-from={step1['id']}"
     docker("run", "-d", "--rm", "--name", "branch", "--label", label, "busybox", "sleep", "1000", check=True)
