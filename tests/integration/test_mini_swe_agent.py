@@ -141,7 +141,7 @@ def test_mini_swe_agent_repairs_sdist_recovers_and_forks(start_daemon, debian_im
     result = agent.run(TASK)
     obs = _observations(agent)
     assert "FAILED" in obs[0] and "while n > integer:" in obs[1], obs[:2]  # the bug was there and was read
-    assert "OK" in obs[3] and "FAILED" not in obs[3], obs[3]  # after the kill: the edit is there, the suite passes
+    assert "\nOK\n" in obs[3] and "FAILED" not in obs[3], obs[3]  # after the kill: the edit is there, the suite passes
     assert result.get("exit_status") == "Submitted", obs[-2:]
     assert "+        while n >= integer:" in result["submission"]
     # One turn and one checkpoint (with its plan) per step; the kill rolled
