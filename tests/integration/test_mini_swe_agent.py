@@ -38,7 +38,8 @@ import pytest
 
 from crabd.testing import wait_until
 
-SDIST = Path(__file__).resolve().parent.parent / "data" / "roman-5.2.tar.gz"
+# tests/data, wherever under tests/ this file is moved
+SDIST = next(p for p in Path(__file__).resolve().parents if p.name == "tests") / "data" / "roman-5.2.tar.gz"
 SDIST_SHA256 = "275fe9f46290f7d0ffaea1c33251b92b8e463ace23660508ceef522e7587cb6f"
 IMAGE = "debian-py"
 TASK = "The unittest suite of the roman package in /testbed (cd src && python3 -m unittest tests) fails. Fix it."
