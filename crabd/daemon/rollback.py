@@ -185,9 +185,14 @@ class Rollback(DaemonBase):
             cid = c.parent
         return list(reversed(out))
 
-    async def fork(self, cid: str, count: int = 1, owner: str | None = None) -> dict[str, Any]:
+    async def fork(self, cid: str, count: int = 1, owner: str | None = None,
+                   name: str | None = None) -> dict[str, Any]:
+        """`count` sandboxes from checkpoint `cid`; `name` names a single one
+        (the Docker API's create with the crabd.fork-from label)."""
         if not 1 <= count <= 64:
             raise InvalidArgument("count must be between 1 and 64")
+        if name is not None and count != 1:
+            raise InvalidArgument("a name is given to one fork only", fix="fork with count 1, or without a name")
         ck = await asyncio.to_thread(self.store.get_checkpoint, cid)
         src = self._own(await asyncio.to_thread(self.store.get_sandbox, ck.sandbox_id), owner)
         self._require_files(ck)
@@ -195,7 +200,7 @@ class Rollback(DaemonBase):
         t0 = time.monotonic()
         made = []
         for _ in range(count):
-            row = await asyncio.to_thread(self._new_sandbox, image=src.image, name=None,
+            row = await asyncio.to_thread(self._new_sandbox, image=src.image, name=name,
                                           limits=Limits.from_dict(src.limits), owner=src.owner,
                                           parent_snapshot=ck.fs_snapshot, base_checkpoint=ck, lineage=src.lineage)
             made.append(row.id)

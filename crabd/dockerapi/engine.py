@@ -317,6 +317,27 @@ class DockerEngine:
             pass
         self._forget(c)
 
+    async def _fork_for(self, cid: str, image: str, name: str | None, host: dict[str, Any]) -> Any:
+        """A container created with the crabd.fork-from label: a crabd fork of
+        that checkpoint (files and processes), so that a harness which only
+        knows `docker run` (mini-swe-agent's environment, configured with
+        run_args) starts its best-of-N branches on the checkpoint's state."""
+        d = self.daemon
+        try:
+            ck = await asyncio.to_thread(d.store.get_checkpoint, cid)
+            src = await asyncio.to_thread(d.store.get_sandbox, ck.sandbox_id)
+        except NotFound:
+            raise DockerError(404, f"No such crabd checkpoint: {cid} (label {shapes.FORK_LABEL}; list them with "
+                                   "crabd checkpoint ls SANDBOX)") from None
+        if src.image != image:
+            raise DockerError(400, f"checkpoint {cid} is of a sandbox of image {src.image!r}, not {image!r}: "
+                                   f"run the fork with image {src.image}")
+        if any(host.get(k) for k in ("Memory", "NanoCpus", "CpuQuota", "PidsLimit")):
+            raise DockerError(400, f"a fork ({shapes.FORK_LABEL}) keeps the limits of its checkpoint's sandbox: "
+                                   "drop --memory, --cpus and --pids-limit")
+        made = await d.fork(cid, 1, name=name)
+        return await asyncio.to_thread(d.store.get_sandbox, made["sandboxes"][0])
+
     # --- JSON shapes ----------------------------------------------------------------
     def _inspect(self, c: Container, info: dict[str, Any] | None) -> dict[str, Any]:
         argv = shapes.main_argv(c.config)
@@ -490,8 +511,12 @@ class DockerEngine:
             argv = shapes.main_argv(body)
             if not argv and not (body.get("Tty") or body.get("OpenStdin")):
                 raise DockerError(400, "No command specified (crabd images carry no default command)")
+            fork_from = (body.get("Labels") or {}).get(shapes.FORK_LABEL)
             try:
-                row = await asyncio.to_thread(d.create_sandbox, img.name, name=name, limits=limits)
+                if fork_from:
+                    row = await self._fork_for(fork_from, img.name, name, host)
+                else:
+                    row = await asyncio.to_thread(d.create_sandbox, img.name, name=name, limits=limits)
             except AlreadyExists as e:
                 raise DockerError(409, f"Conflict. {e.message}") from None
             keep = ("Image", "Cmd", "Entrypoint", "Env", "WorkingDir", "Labels", "User", "Tty", "OpenStdin",

@@ -27,7 +27,7 @@ from ..runtime import Limits
 
 __all__ = ["API_VERSION", "MIN_API_VERSION", "refusals", "limits_of", "docker_id", "image_name", "image_id",
            "frame", "idle_seconds", "go_file_mode", "rfc3339", "parse_filters", "name_matches", "labels_match",
-           "status_text", "main_argv", "user_argv"]
+           "status_text", "main_argv", "user_argv", "FORK_LABEL"]
 
 API_VERSION = "1.41"
 MIN_API_VERSION = "1.24"
@@ -93,6 +93,11 @@ def refusals(body: dict[str, Any]) -> list[str]:
     if (body.get("Healthcheck") or {}).get("Test") not in (None, [], ["NONE"]):
         out.append("Healthcheck (not supported by crabd)")
     return out
+
+
+#: A container label that makes `docker run`/`create` a crabd fork of the
+#: checkpoint it names (the image must be that checkpoint's sandbox's image).
+FORK_LABEL = "crabd.fork-from"
 
 
 def limits_of(host: dict[str, Any]) -> Limits:

@@ -20,6 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from crabd.runtime import Runtime
+from crabd.testing import wait_until
+
 DOCKER = shutil.which("docker")
 
 
@@ -260,6 +263,16 @@ def test_docker_api_off(start_daemon):
     assert not (d.state / "docker.sock").exists()
 
 
+def _two_steps(dk, name: str) -> None:
+    """A busybox container NAME whose two steps wrote /work.txt ("step1",
+    then "step2"), both steps' checkpoints captured."""
+    dk.docker("run", "-d", "--name", name, "busybox", "sleep", "1000", check=True)
+    dk.docker("exec", name, "sh", "-c", "echo step1 > /work.txt", check=True)
+    dk.docker("exec", name, "sh", "-c", "echo step2 >> /work.txt", check=True)
+    c = dk.client()
+    wait_until(lambda: all(k["state"] == "committed" for k in c.checkpoints(name, all=True)), "checkpoints committed")
+
+
 def test_recovery_and_fork_of_a_docker_container(dk):
     """A harness on the docker CLI gains crabd's recovery and fork: the
     sandbox's processes are killed (kill -9 of its init) between two steps;
@@ -269,14 +282,9 @@ def test_recovery_and_fork_of_a_docker_container(dk):
     docker exec, keep the one that passes."""
     import signal
 
-    from crabd.testing import wait_until
-
     docker = dk.docker
     c = dk.client()
-    docker("run", "-d", "--name", "agent", "busybox", "sleep", "1000", check=True)
-    docker("exec", "agent", "sh", "-c", "echo step1 > /work.txt", check=True)
-    docker("exec", "agent", "sh", "-c", "echo step2 >> /work.txt", check=True)
-    wait_until(lambda: all(k["state"] == "committed" for k in c.checkpoints("agent", all=True)), "checkpoints committed")
+    _two_steps(dk, "agent")
     since = max([e["seq"] for e in c.events()] or [0])
     os.kill(c.sandbox("agent")["pid"], signal.SIGKILL)
     wait_until(lambda: "sandbox.rolled_back" in [e["kind"] for e in c.events(since=since, sandbox=c.sandbox("agent")["id"])],
@@ -297,4 +305,31 @@ def test_recovery_and_fork_of_a_docker_container(dk):
     assert len(keep) == 1
     sids = [c.sandbox("agent")["id"], *forks]
     docker("rm", "-f", "agent", *forks, check=True)
+    assert c.sandboxes() == [] and _leaks(dk, sids) == []
+
+
+def test_run_as_fork_of_a_checkpoint(dk):
+    """`docker run --label crabd.fork-from=CHECKPOINT` makes the container a
+    crabd fork of that checkpoint, named by --name: how a harness that only
+    knows `docker run` (mini-swe-agent's environment, through its run_args)
+    starts best-of-N branches. Bad references are refused, not ignored."""
+    docker = dk.docker
+    c = dk.client()
+    _two_steps(dk, "src")
+    step1 = [k for k in c.checkpoints("src") if k["turn"] == 1][0]
+    label = f"crabd.fork-from={step1['id']}"
+    docker("run", "-d", "--rm", "--name", "branch", "--label", label, "busybox", "sleep", "1000", check=True)
+    assert _out(docker("exec", "branch", "cat", "/work.txt", check=True)) == "step1\n"
+    assert c.sandbox("branch")["forked_from"] == step1["id"]  # crabd's name is the Docker name
+    assert _out(docker("exec", "src", "cat", "/work.txt", check=True)) == "step1\nstep2\n"
+
+    r = docker("run", "-d", "--name", "nope", "--label", "crabd.fork-from=sb-none-1", "busybox", "sleep", "1")
+    assert r.returncode != 0 and b"No such crabd checkpoint: sb-none-1" in r.stderr, r.stderr
+    r = docker("run", "-d", "--name", "nope", "--memory", "64m", "--label", label, "busybox", "sleep", "1")
+    assert r.returncode != 0 and b"keeps the limits of its checkpoint's sandbox" in r.stderr, r.stderr
+    Runtime(dk.state).images.import_path(str(Runtime(dk.state).images.get("busybox").path), "other")
+    r = docker("run", "-d", "--name", "nope", "--label", label, "other", "sleep", "1")
+    assert r.returncode != 0 and b"is of a sandbox of image 'busybox', not 'other'" in r.stderr, r.stderr
+    sids = [c.sandbox("src")["id"], c.sandbox("branch")["id"]]
+    docker("rm", "-f", "src", "branch", check=True)
     assert c.sandboxes() == [] and _leaks(dk, sids) == []
