@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ebpf._events import RESTART_SYSCALL_NR
-from ebpf._sockets import socket_queues
+from ebpf._queues import queues
 
 RUNNING = -1  # blocked_calls(): the thread was not in a system call
 
@@ -34,9 +34,9 @@ class ProcInfo:
     # process that blocks it changes its state without running it (the
     # oracle found such a turn planned SKIP).
     pending: str = ""
-    # What waits in the receive queues of its sockets (ebpf._sockets): a
-    # message, or a connection, sent to a process that does not read changes
-    # its state without running it either.
+    # What waits in its sockets, pipes and inotify queues (ebpf._queues): a
+    # message, a connection or a pipe's bytes sent to (or drained from) a
+    # process that does not read changes its state without running it too.
     queued: str = ""
 
     def ran_since(self, before: ProcInfo) -> bool:
@@ -116,7 +116,7 @@ class HostProcessTable:
         raw = _read(f"/proc/{pid}/cmdline") or ""
         cmdline = tuple(a for a in raw.split("\0") if a) if raw else ()
         return ProcInfo(pid, start, cpu, switches, running, comm, cmdline,
-                        " ".join(sorted(pending) + [f"shared:{shared}"]), socket_queues(pid))
+                        " ".join(sorted(pending) + [f"shared:{shared}"]), queues(pid))
 
     def blocked_calls(self, pid: int) -> dict[int, int]:
         out: dict[int, int] = {}

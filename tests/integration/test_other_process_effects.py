@@ -141,3 +141,23 @@ def test_messages_queued_for_a_process_that_does_not_read(start_daemon):
     # connections, not connections nobody accepted (their client is gone) --
     # a limit stated in docs/internals/ebpf.md; the turn is still FS_PROC.
     assert c.exec(sid, "cat /tmp/got")["stdout"] == "m1 -"
+
+
+def test_bytes_left_in_a_fifo_an_older_process_holds(start_daemon):
+    """`echo data > /tmp/ff` where only an older, sleeping process holds the
+    FIFO's read end: the bytes wait in its pipe, process state a file-system
+    snapshot does not hold. Before the fix: planned FS, and the rollback gave
+    the reader back an empty pipe."""
+    c = start_daemon(images=("busybox", "debian-py")).client()
+    sid = c.create_sandbox("debian-py")["id"]
+    opened = c.exec(sid, "mkfifo /tmp/ff; (setsid sleep 3600 < /tmp/ff >/dev/null 2>&1 &); exec 3>/tmp/ff; sleep 0.2")
+    assert opened["exit_code"] == 0, opened
+    _quiet(c, sid)
+    r = c.exec(sid, "echo data > /tmp/ff")
+    assert r["exit_code"] == 0, r
+    assert r["plan"] == "FS_PROC", r
+    settled_checkpoint(c, r["checkpoint"], 240)
+    drain = "dd if=/proc/$(pidof sleep)/fd/0 iflag=nonblock bs=100 count=1 2>/dev/null"
+    c.exec(sid, drain)  # the live sandbox moves on: its pipe is empty again
+    c.rollback(sid, r["checkpoint"])
+    assert c.exec(sid, drain)["stdout"] == "data\n"

@@ -1,12 +1,15 @@
-"""What waits in the receive queues of a process's sockets.
+"""What waits in a process's sockets and pipes: its receive queues.
 
 Part of the inspectors' process comparison (`ebpf._proc.ProcInfo.queued`).
 A datagram sent to a unix or loopback socket whose owner does not read it,
 or a connection made to a listener that does not accept, changes that
 process's state (CRIU saves unix queues and listen queues with it) while
 the owner does not run, and while the sender may be a short-lived process
-of a later turn. No system call of the owner, and none of the sender's that
-the inspector reads, says so; the queues do.
+of a later turn. So does a FIFO written to, or drained, by a later turn's
+process (`echo x > /tmp/fifo`, `cat /proc/PID/fd/0`: an open for reading is
+not an event the inspector keeps), and an inotify queue filled by a later
+turn's file changes. No system call of the owner, and none of the sender's
+that the inspector reads, says so; the queues do.
 
 `socket_queues(pid)` reads, for each socket the process holds (its fds),
 through NETLINK_SOCK_DIAG in the process's network namespace: unix sockets
@@ -18,16 +21,25 @@ new), which the comparison sees already; listing them would walk the
 kernel's whole connection hash (~20 ms here, /proc/net/tcp ~70 ms). The
 result is a fingerprint to compare, not a report; "" for a process with no
 sockets (no namespace is entered then).
+
+Pipes, FIFOs and inotify instances: FIONREAD (bytes waiting) on a copy of
+the fd taken with pidfd_getfd(2) (crabd is root; the copy is closed at
+once, nothing is read).
 """
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import os
 import socket
+import stat
 import struct
+import sys
+import termios
 from collections.abc import Callable
 
-__all__ = ["socket_queues"]
+__all__ = ["queues"]
 
 _SOCK_DIAG_BY_FAMILY = 20
 _NLM_F_REQUEST, _NLM_F_DUMP = 0x1, 0x300
@@ -36,21 +48,62 @@ _UDIAG_SHOW_RQLEN = 0x10
 _UNIX_DIAG_RQLEN = 4
 _NETLINK_SOCK_DIAG = 4
 _TCP_LISTEN = 10
+_SYS_PIDFD_GETFD = 438  # the same number on every architecture (asm-generic)
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _socket_inodes(pid: int) -> set[int]:
-    out: set[int] = set()
+def _fds(pid: int) -> tuple[set[int], list[int]]:
+    """The inodes of `pid`'s sockets, and its fds that are pipes, FIFOs or
+    inotify instances."""
+    sockets: set[int] = set()
+    others: list[int] = []
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
-        return out
+        return sockets, others
     for fd in fds:
         try:
             link = os.readlink(f"/proc/{pid}/fd/{fd}")
         except OSError:
             continue
         if link.startswith("socket:["):
-            out.add(int(link[8:-1]))
+            sockets.add(int(link[8:-1]))
+        elif link.startswith("pipe:[") or link == "anon_inode:inotify" or _is_fifo(pid, fd):
+            others.append(int(fd))
+    return sockets, others
+
+
+def _is_fifo(pid: int, fd: str) -> bool:
+    try:
+        return stat.S_ISFIFO(os.stat(f"/proc/{pid}/fd/{fd}").st_mode)
+    except OSError:
+        return False
+
+
+def _waiting(pid: int, fds: list[int]) -> dict[int, int]:
+    """fd -> bytes waiting in it (FIONREAD on a copy taken with
+    pidfd_getfd); -1 when it could not be read."""
+    out: dict[int, int] = {}
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return {fd: -1 for fd in fds}
+    try:
+        for fd in fds:
+            copy = _libc.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
+            if copy < 0:
+                out[fd] = -1
+                continue
+            try:
+                buf = bytearray(4)
+                fcntl.ioctl(copy, termios.FIONREAD, buf)
+                out[fd] = int.from_bytes(buf, sys.byteorder)
+            except OSError:
+                out[fd] = -1
+            finally:
+                os.close(copy)
+    finally:
+        os.close(pidfd)
     return out
 
 
@@ -103,15 +156,17 @@ def _all_queues() -> dict[int, int]:
     return out
 
 
-def socket_queues(pid: int) -> str:
-    """A fingerprint of what waits in `pid`'s sockets' receive queues ("" if
-    it holds none). A socket whose queue cannot be read counts as "?"."""
-    inodes = _socket_inodes(pid)
-    if not inodes:
-        return ""
-    from deltacr.netns import in_netns  # the one setns helper (a thread enters the namespace)
-    try:
-        queues = in_netns(pid, _all_queues)
-    except OSError:
-        return "?"
-    return " ".join(f"{i}:{queues.get(i, '-')}" for i in sorted(inodes))
+def queues(pid: int) -> str:
+    """A fingerprint of what waits in `pid`'s sockets, pipes, FIFOs and
+    inotify instances ("" if it holds none). A socket whose queue cannot be
+    read makes it "?"."""
+    inodes, others = _fds(pid)
+    parts = [f"fd{fd}:{n}" for fd, n in sorted(_waiting(pid, others).items())] if others else []
+    if inodes:
+        from deltacr.netns import in_netns  # the one setns helper (a thread enters the namespace)
+        try:
+            got = in_netns(pid, _all_queues)
+        except OSError:
+            return "?"
+        parts += [f"{i}:{got.get(i, '-')}" for i in sorted(inodes)]
+    return " ".join(parts)
