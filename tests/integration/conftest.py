@@ -102,17 +102,15 @@ def sandbox_factory(runtime):
 
 
 
-@pytest.fixture
-def start_daemon(runtime, busybox_image):
-    """start_daemon(args=[...], env={...}, images=("busybox",), state=None) -> a
-    started DaemonHandle on its own state dir (under /var/tmp) with the named
-    test images imported; stopped and cleaned up after the test."""
+def _daemons(runtime):
+    """A factory of started daemons (see start_daemon) and the list of them,
+    for the caller to stop and clean up."""
     import tempfile
 
     from crabd.runtime import Runtime
-    from crabd.testing import DaemonHandle, cleanup_state_dir
+    from crabd.testing import DaemonHandle
 
-    made: list[DaemonHandle] = []
+    made: list = []
 
     def start(args=None, env=None, images=(BUSYBOX_IMAGE,), state=None):
         st = Path(state) if state else Path(tempfile.mkdtemp(prefix="crabd-test-", dir="/var/tmp"))
@@ -127,7 +125,32 @@ def start_daemon(runtime, busybox_image):
         made.append(d)
         return d
 
-    yield start
+    return start, made
+
+
+def _stop_all(made) -> None:
+    from crabd.testing import cleanup_state_dir
+
     for d in made:
         d.shutdown()
         cleanup_state_dir(d.state)
+
+
+@pytest.fixture
+def start_daemon(runtime, busybox_image):
+    """start_daemon(args=[...], env={...}, images=("busybox",), state=None) -> a
+    started DaemonHandle on its own state dir (under /var/tmp) with the named
+    test images imported; stopped and cleaned up after the test."""
+    start, made = _daemons(runtime)
+    yield start
+    _stop_all(made)
+
+
+@pytest.fixture(scope="module")
+def module_daemon(runtime, busybox_image):
+    """One daemon with busybox and debian-py, shared by a module's tests (each
+    makes its own sandboxes): for modules of many short scenarios, where a
+    daemon and an image import per test would be most of the time."""
+    start, made = _daemons(runtime)
+    yield start(images=(BUSYBOX_IMAGE, DEBIAN_IMAGE))
+    _stop_all(made)

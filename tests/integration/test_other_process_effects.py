@@ -26,6 +26,15 @@ os.write(fd, b"stolen\n")
 HOLDER = "mkdir -p /work; echo first > /work/f; (setsid sleep 3600 3>>/work/f </dev/null >/dev/null 2>&1 &); sleep 0.2"
 
 
+_cleanup: list = []
+
+
+def teardown_function() -> None:
+    while _cleanup:
+        c, sid = _cleanup.pop()
+        c.delete_sandbox(sid)
+
+
 def _quiet(c, sid):
     """A turn with nothing in it once the last one settled: the older
     processes are in the inspector's baseline."""
@@ -36,9 +45,10 @@ def _quiet(c, sid):
     settled_checkpoints(c, sid, 240)
 
 
-def test_a_file_description_taken_from_an_older_process(start_daemon):
-    c = start_daemon(images=("busybox", "debian-py")).client()
+def test_a_file_description_taken_from_an_older_process(module_daemon):
+    c = module_daemon.client()
     sid = c.create_sandbox("debian-py")["id"]
+    _cleanup.append((c, sid))
     assert c.exec(sid, HOLDER)["exit_code"] == 0
     pid = c.exec(sid, "pidof sleep")["stdout"].split()[0]
     assert c.exec(sid, ["sh", "-c", "cat > /opt/getfd.py"], stdin=GETFD)["exit_code"] == 0
@@ -52,9 +62,10 @@ def test_a_file_description_taken_from_an_older_process(start_daemon):
     assert c.exec(sid, "cat /work/f")["stdout"] == "first\nstolen\n"
 
 
-def test_an_ipc_object_removed_by_its_id(start_daemon):
-    c = start_daemon(images=("busybox", "debian-py")).client()
+def test_an_ipc_object_removed_by_its_id(module_daemon):
+    c = module_daemon.client()
     sid = c.create_sandbox("debian-py")["id"]
+    _cleanup.append((c, sid))
     made = c.exec(sid, "ipcmk -Q")
     assert made["exit_code"] == 0 and made["plan"] == "FS_PROC", made
     qid = c.exec(sid, "ipcs -q | awk '$2 ~ /^[0-9]+$/ {print $2}'")["stdout"].split()[0]
@@ -68,9 +79,10 @@ def test_an_ipc_object_removed_by_its_id(start_daemon):
     assert c.exec(sid, "ipcs -q | awk '$2 ~ /^[0-9]+$/' | wc -l")["stdout"].strip() == "0"
 
 
-def test_an_older_process_reniced(start_daemon):
-    c = start_daemon(images=("busybox", "debian-py")).client()
+def test_an_older_process_reniced(module_daemon):
+    c = module_daemon.client()
     sid = c.create_sandbox("debian-py")["id"]
+    _cleanup.append((c, sid))
     assert c.exec(sid, "(setsid sleep 3600 </dev/null >/dev/null 2>&1 &); sleep 0.2")["exit_code"] == 0
     pid = c.exec(sid, "pidof sleep")["stdout"].split()[0]
     _quiet(c, sid)
@@ -120,13 +132,14 @@ c.close()
 '''
 
 
-def test_messages_queued_for_a_process_that_does_not_read(start_daemon):
+def test_messages_queued_for_a_process_that_does_not_read(module_daemon):
     """A datagram for an older process's unix socket and a connection (with
     data) to its TCP listener, both left unread: its queues changed while
     it slept. Before the fix: SKIP (a probe with a unix and a UDP socket),
     and the rollback gave the queues back empty."""
-    c = start_daemon(images=("busybox", "debian-py")).client()
+    c = module_daemon.client()
     sid = c.create_sandbox("debian-py")["id"]
+    _cleanup.append((c, sid))
     assert c.exec(sid, ["python3", "-c", QUIET_SERVER])["exit_code"] == 0
     _quiet(c, sid)
     r = c.exec(sid, ["python3", "-c", SEND, "m1"])
@@ -143,13 +156,14 @@ def test_messages_queued_for_a_process_that_does_not_read(start_daemon):
     assert c.exec(sid, "cat /tmp/got")["stdout"] == "m1 -"
 
 
-def test_bytes_left_in_a_fifo_an_older_process_holds(start_daemon):
+def test_bytes_left_in_a_fifo_an_older_process_holds(module_daemon):
     """`echo data > /tmp/ff` where only an older, sleeping process holds the
     FIFO's read end: the bytes wait in its pipe, process state a file-system
     snapshot does not hold. Before the fix: planned FS, and the rollback gave
     the reader back an empty pipe."""
-    c = start_daemon(images=("busybox", "debian-py")).client()
+    c = module_daemon.client()
     sid = c.create_sandbox("debian-py")["id"]
+    _cleanup.append((c, sid))
     opened = c.exec(sid, "mkfifo /tmp/ff; (setsid sleep 3600 < /tmp/ff >/dev/null 2>&1 &); exec 3>/tmp/ff; sleep 0.2")
     assert opened["exit_code"] == 0, opened
     _quiet(c, sid)
