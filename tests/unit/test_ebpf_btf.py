@@ -59,3 +59,48 @@ def test_the_running_kernels_offsets():
     assert set(offs) == {m for m, _s, _f in _btf.FD_FS_MEMBERS}
     assert offs["OFF_PATH_DENTRY"] == 8  # struct path { vfsmount *mnt; dentry *dentry; }
     assert all(v >= 0 for v in offs.values())
+
+
+def test_the_kernels_offsets_are_parsed_once_per_boot(tmp_path, monkeypatch):
+    """The BTF parse takes seconds: a second load in this process, or in a
+    later process of the same boot, reads the kept offsets; another boot
+    parses again."""
+    boot = tmp_path / "boot_id"
+    boot.write_text("boot-1\n")
+    cache = tmp_path / "offsets.json"
+    parsed: list[int] = []
+    blob = _btf.Btf.__new__(_btf.Btf)  # stands for the kernel's BTF: never read by the fake below
+
+    def fake_load(path=_btf.VMLINUX):
+        parsed.append(1)
+        return blob
+
+    monkeypatch.setattr(_btf, "load", fake_load)
+    monkeypatch.setattr(_btf, "member_offset", lambda b, s, m: len(s) + len(m))
+    monkeypatch.setattr(_btf, "_by_boot", {})
+    first = _btf.fd_fs_offsets(cache=cache, boot_id=boot)
+    assert _btf.fd_fs_offsets(cache=cache, boot_id=boot) == first
+    assert len(parsed) == 1
+    monkeypatch.setattr(_btf, "_by_boot", {})  # a new process of the same boot
+    assert _btf.fd_fs_offsets(cache=cache, boot_id=boot) == first
+    assert len(parsed) == 1
+    boot.write_text("boot-2\n")
+    _btf.fd_fs_offsets(cache=cache, boot_id=boot)
+    assert len(parsed) == 2
+
+
+def test_a_missing_member_is_remembered_for_the_boot(tmp_path, monkeypatch):
+    boot = tmp_path / "boot_id"
+    boot.write_text("boot-1\n")
+    calls: list[int] = []
+
+    def no_btf(path=_btf.VMLINUX):
+        calls.append(1)
+        raise _btf.BtfError("cannot read vmlinux: No such file or directory")
+
+    monkeypatch.setattr(_btf, "load", no_btf)
+    monkeypatch.setattr(_btf, "_by_boot", {})
+    for _ in range(2):
+        with pytest.raises(_btf.BtfError, match="cannot read"):
+            _btf.fd_fs_offsets(cache=tmp_path / "c.json", boot_id=boot)
+    assert len(calls) == 1
