@@ -18,6 +18,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from security_daemon import ADMIN, ALICE, BOB, As, security_daemon  # noqa: E402
 
+pytestmark = pytest.mark.needs("runc", "criu", "bpf", "busybox")
+
 
 @pytest.fixture(scope="module")
 def live(runtime, busybox_image):

@@ -33,6 +33,8 @@ from schemathesis.specs.openapi.checks import (content_type_conformance, respons
 sys.path.insert(0, str(Path(__file__).parent))
 from security_daemon import ALICE, As, security_daemon  # noqa: E402
 
+pytestmark = pytest.mark.needs("runc", "criu", "bpf", "busybox")
+
 EXAMPLES = {"positive": 5, "negative": 5, "real": 5}
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 # Operations never pointed at the real sandbox: they would remove it, or

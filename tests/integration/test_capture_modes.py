@@ -25,6 +25,8 @@ from crabd.capture import FS_ONLY_REASON, FULL_REASON
 from crabd.daemon import Daemon, DaemonOptions
 from crabd.testing import cleanup_state_dir
 
+pytestmark = pytest.mark.needs("runc", "criu", "bpf", "busybox")
+
 TURNS = [
     # writes files (an absolute symlink out of the sandbox, a deletion of an image file): FS
     "mkdir -p /root/w && echo hello > /root/w/a.txt && ln -s /etc/passwd /root/w/link && rm /etc/passwd",

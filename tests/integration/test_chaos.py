@@ -15,6 +15,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.needs("runc", "criu", "bpf", "busybox", "btrfs", "overlay")
+
 ROOT = Path(__file__).resolve().parents[2]
 
 MUST_BE_ZERO = ("lost_sandboxes", "lost_checkpoints", "corrupt_accepted", "unrestorable_checkpoints",

@@ -43,7 +43,7 @@ import pytest
 
 from crabd.testing import settled_checkpoint, wait_until
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.needs("runc", "criu", "bpf", "busybox", "debian-py")
 
 # Daemonize; stdin too goes to the sandbox's /dev/null unless KEEP_STDIN.
 PROLOGUE = r'''

@@ -31,6 +31,10 @@ from pathlib import Path
 
 from crabd.testing import settled_checkpoint, wait_until
 
+import pytest
+
+pytestmark = pytest.mark.needs("runc", "criu", "bpf", "busybox", "netns")
+
 WRAPPER = r"""#!/bin/sh
 # test_criu_failure: CRIU that fails on demand (see CTRL)
 REAL="{real}"

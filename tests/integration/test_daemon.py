@@ -24,6 +24,8 @@ from crabd.runtime import Runtime
 
 from crabd.testing import CRABD, DaemonHandle, cleanup_state_dir, wait_until
 
+pytestmark = pytest.mark.needs("runc", "criu", "bpf", "busybox", "debian-py")
+
 @pytest.fixture(scope="module")
 def crabd(runtime, busybox_image, debian_image):
     state = Path(tempfile.mkdtemp(prefix="crabd-daemon-", dir="/var/tmp"))

@@ -11,6 +11,10 @@ import signal
 
 from crabd.testing import wait_until
 
+import pytest
+
+pytestmark = pytest.mark.needs("runc", "criu", "bpf", "busybox", "debian-py")
+
 
 def _recovered_after(c, sid, since):
     wait_until(lambda: any(e["kind"] == "sandbox.rolled_back" for e in c.events(since=since, sandbox=sid)),

@@ -23,7 +23,7 @@ from deltacr import CriuFailed, CriuUnavailable, ImageCorrupted, ImageStore, Sta
 from deltacr.runc import SubprocessCommandRunner
 from deltafs import Mount, mount_all, unmount
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.needs("runc", "criu", "overlay", "busybox", "debian-py")
 
 # An HTTP server with an in-memory counter (and, with HEAP_MB, a heap of
 # random bytes): GET / -> counter, /inc -> counter + 1, /digest -> blake2 of

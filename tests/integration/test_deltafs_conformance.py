@@ -18,7 +18,7 @@ import pytest
 import deltafs
 from deltafs.testing import Mounter, allocated, fingerprint
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.needs("btrfs", "overlay")
 DRIVERS = ["btrfs", "overlay"]
 
 

@@ -16,7 +16,7 @@ import pytest
 import deltafs
 from deltafs.tree import O_DIR, Copier, scan
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.needs("btrfs", "overlay")
 
 
 def require_root() -> None:

@@ -23,7 +23,7 @@ import pytest
 import deltafs
 from deltafs.testing import Mounter
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.needs("btrfs", "overlay")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CHILD = r"""

@@ -26,7 +26,7 @@ import deltafs
 from deltafs.testing import Mounter, fingerprint
 from deltafs.tree import remove_tree
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.needs("btrfs", "overlay")
 
 NAMES = [b"a", b"b", b"\xff\xfe", b"new\nline"]
 DIRS = [b"", b"d", b"e", b"d/sub", b"usr"]

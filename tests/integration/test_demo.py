@@ -18,6 +18,10 @@ from pathlib import Path
 from crabd.runtime import Runtime
 from crabd.testing import cleanup_state_dir
 
+import pytest
+
+pytestmark = pytest.mark.needs("runc", "criu", "bpf", "busybox", "debian-py")
+
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "scripts" / "demo.py"
 

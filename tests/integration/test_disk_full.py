@@ -23,6 +23,8 @@ import pytest
 from crabd.errors import CrabdError
 from crabd.testing import settled_checkpoint
 
+pytestmark = pytest.mark.needs("runc", "criu", "bpf", "busybox", "btrfs")
+
 SIZE = 384 << 20
 
 

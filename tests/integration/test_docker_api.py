@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.needs("runc", "criu", "bpf", "busybox", "docker")
+
 DOCKER = shutil.which("docker")
 
 

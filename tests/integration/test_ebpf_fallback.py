@@ -10,7 +10,7 @@ from ebpf import BPFUnavailable, Inspector, PlanKind, ProcInspector, classify
 from ebpf._bcc import BccLoader
 from ebpf.testing import CgroupCell, tree_state
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.needs("bpf")
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import pytest
 
 from ebpf import BPFUnavailable, Inspector, classify
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.needs("runc", "bpf", "busybox", "debian-py")
 
 # crabd's exec wrapper reports through a fifo under this bind-mounted
 # directory (crabd.runtime.oci.RUN_PATH): not the sandbox's file system.

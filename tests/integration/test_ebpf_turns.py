@@ -17,7 +17,7 @@ import pytest
 from ebpf import BPFUnavailable, Inspector, PlanKind, classify
 from ebpf.testing import LABELLED_TURNS, CgroupCell, TestPeer, tree_state
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.needs("runc", "bpf", "busybox")
 RANK = {PlanKind.SKIP: 0, PlanKind.FS: 1, PlanKind.FS_PROC: 2}
 
 

@@ -26,6 +26,8 @@ from crabd.client import AsyncClient
 from crabd.effects import BudgetExceeded
 from crabd.errors import FailedPrecondition
 
+pytestmark = pytest.mark.needs("runc", "criu", "bpf", "busybox", "netns")
+
 _SERVICE = textwrap.dedent('''
     import json, sys, threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer

@@ -13,6 +13,10 @@ import time
 
 from crabd.testing import CRABD
 
+import pytest
+
+pytestmark = pytest.mark.needs("runc", "criu", "bpf", "busybox")
+
 
 def test_page_tail_and_follow_the_events(start_daemon):
     d = start_daemon(env={"CRABD_INSPECTOR": "proc"})

@@ -21,6 +21,8 @@ from crabd.runtime import Runtime
 from crabd.runtime import channel
 from crabd.testing import wait_until
 
+pytestmark = pytest.mark.needs("runc", "criu", "bpf", "busybox", "debian-py")
+
 
 class NoRuncExec(SubprocessRunner):
     """runc for everything but exec: a `runc exec` here is a test failure."""

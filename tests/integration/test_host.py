@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.needs("runc", "criu", "bpf", "btrfs", "overlay")
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -12,6 +12,8 @@ import pytest
 
 from crabd.errors import AlreadyExists, InvalidArgument, NotFound
 
+pytestmark = pytest.mark.needs("runc", "busybox")
+
 
 def test_import_tarball_preserves_special_files(runtime, tmp_path, sandbox_factory, make_busybox_rootfs):
     src = make_busybox_rootfs(tmp_path / "src")
@@ -54,6 +56,7 @@ def test_bad_sources_and_names(runtime, tmp_path):
     assert not any(p.name.startswith(".tmp-t-empty") for p in runtime.images.root.iterdir())
 
 
+@pytest.mark.needs("docker")
 def test_import_from_docker_engine(runtime, tmp_path, sandbox_factory, make_busybox_rootfs):
     import docker
     client = docker.from_env(timeout=60)

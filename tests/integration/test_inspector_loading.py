@@ -15,6 +15,10 @@ from pathlib import Path
 from crabd.runtime import Runtime
 from crabd.testing import DaemonHandle, cleanup_state_dir, wait_until
 
+import pytest
+
+pytestmark = pytest.mark.needs("runc", "criu", "bpf", "busybox")
+
 
 def test_serving_while_the_inspector_loads(runtime, busybox_image):
     state = Path(tempfile.mkdtemp(prefix="crabd-test-", dir="/var/tmp"))

@@ -13,6 +13,10 @@ from __future__ import annotations
 
 from crabd.testing import wait_until
 
+import pytest
+
+pytestmark = pytest.mark.needs("runc", "criu", "bpf", "busybox")
+
 
 def _settled(c, sid):
     wait_until(lambda: all(k["state"] != "pending" for k in c.checkpoints(sid, all=True)) or None,

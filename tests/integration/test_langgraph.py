@@ -32,6 +32,8 @@ from crabd.client import AsyncClient, Client
 from crabd.integrations.langgraph import CrabdCheckpointSaver, record_of
 from crabd.testing import DaemonHandle, cleanup_state_dir
 
+pytestmark = pytest.mark.needs("runc", "criu", "bpf", "busybox")
+
 # What the fake LLM asks for, one tool call per turn: (file, shell to run).
 EDITS = [
     ("a.txt", "mkdir -p /work && printf 'alpha\\n' > /work/a.txt"),

@@ -12,6 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.needs("runc", "criu", "bpf", "busybox", "docker")
+
 ROOT = Path(__file__).resolve().parents[2]
 
 SHAPE = {

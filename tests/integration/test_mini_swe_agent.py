@@ -27,6 +27,10 @@ import subprocess
 
 from crabd.testing import wait_until
 
+import pytest
+
+pytestmark = pytest.mark.needs("runc", "criu", "bpf", "busybox", "docker")
+
 SETUP = ("mkdir -p /repo && cd /repo && printf 'add() { echo $(($1 - $2)); }\\n' > lib.sh && "
          "printf '. ./lib.sh\\n[ \"$(add 2 3)\" = 5 ]\\n' > test.sh")
 SUBMIT = "sh test.sh && echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"

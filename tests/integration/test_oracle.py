@@ -13,6 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.needs("runc", "criu", "bpf", "busybox", "debian-py")
+
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"turns", "false_negatives", "false_positives", "effect_kinds", "faults", "differences"}
 

@@ -22,6 +22,8 @@ import pytest
 from crabd.client import Client
 from crabd.testing import wait_until
 
+pytestmark = pytest.mark.needs("runc", "criu", "bpf", "busybox", "debian-py")
+
 CHILD = r"""
 import os, secrets, signal, sys, time
 delay = float(sys.argv[1])

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from crabd.testing import settled_checkpoints
 
+import pytest
+
+pytestmark = pytest.mark.needs("runc", "criu", "bpf", "busybox", "debian-py")
+
 BLOCKER = ("import os, signal, time\n"
            "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})\n"
            "if os.fork(): os._exit(0)\n"

@@ -22,6 +22,8 @@ import pytest
 from crabd.errors import FailedPrecondition
 from crabd.testing import settled_checkpoints, wait_until
 
+pytestmark = pytest.mark.needs("runc", "criu", "bpf", "busybox")
+
 BIG = 8 * 1024 * 1024
 CHECK = "cat /work/t1.txt /work/t2.txt 2>&1; wc -c < /work/big 2>&1"
 

@@ -13,6 +13,8 @@ from crabd.errors import CommandNotFound, ExecTimeout, FailedPrecondition, NotFo
 from crabd.runtime import Limits
 from crabd.testing import wait_until
 
+pytestmark = pytest.mark.needs("runc", "criu", "busybox", "debian-py")
+
 
 def mounted(path: str) -> bool:
     return any(line.split()[4] == path for line in open("/proc/self/mountinfo"))

@@ -29,6 +29,10 @@ from crabd.client import Client
 from crabd.runtime import detect_layout
 from crabd.testing import wait_until
 
+import pytest
+
+pytestmark = pytest.mark.needs("runc", "criu", "bpf", "busybox", "netns")
+
 
 class CgroupKiller:
     """SIGKILL every process that appears in a sandbox's cgroups and was not

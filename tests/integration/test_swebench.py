@@ -12,6 +12,10 @@ from pathlib import Path
 
 from crabd.traces import STATE_DIGEST, load_traces
 
+import pytest
+
+pytestmark = pytest.mark.needs("runc", "criu", "debian-py")
+
 ROOT = Path(__file__).resolve().parents[2]
 CRABD = str(Path(sys.executable).parent / "crabd")
 GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.com", "GIT_COMMITTER_NAME": "t",

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.needs("systemd")
+
 ROOT = Path(__file__).resolve().parents[2]
 UNIT = ROOT / "systemd" / "crabd.service"
 TMPFILES = ROOT / "systemd" / "crabd.conf"

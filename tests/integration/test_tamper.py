@@ -23,6 +23,8 @@ from crabd.testing import wait_until
 sys.path.insert(0, str(Path(__file__).parent))
 from security_daemon import ALICE, As, security_daemon  # noqa: E402
 
+pytestmark = pytest.mark.needs("runc", "criu", "btrfs", "overlay", "busybox")
+
 
 @pytest.fixture(scope="module")
 def btrfs_live(runtime, busybox_image):

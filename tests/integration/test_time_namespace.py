@@ -21,6 +21,10 @@ import signal
 
 from crabd.testing import settled_checkpoints, wait_until
 
+import pytest
+
+pytestmark = pytest.mark.needs("runc", "criu", "bpf", "busybox")
+
 
 def _settled(c, sid):
     return settled_checkpoints(c, sid, 240)

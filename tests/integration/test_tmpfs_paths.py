@@ -16,6 +16,10 @@ from __future__ import annotations
 from crabd.client import Client
 from crabd.testing import wait_until
 
+import pytest
+
+pytestmark = pytest.mark.needs("runc", "criu", "bpf", "busybox", "debian-py")
+
 MMAP_WRITE = (
     "import mmap, os; fd = os.open('m', os.O_RDWR); m = mmap.mmap(fd, 4096, mmap.MAP_SHARED); "
     "m[:5] = b'mmap!'; m.close(); os.close(fd)"

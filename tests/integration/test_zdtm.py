@@ -17,6 +17,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.needs("runc", "criu", "debian-py")
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # Pipes, unix sockets, POSIX timers, pending signals, an eventfd: each

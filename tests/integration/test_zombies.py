@@ -16,6 +16,10 @@ from pathlib import Path
 
 from crabd.testing import wait_until
 
+import pytest
+
+pytestmark = pytest.mark.needs("runc", "criu", "bpf", "busybox")
+
 SANDBOXES = 80     # plain create + exec + destroy (~1 s each on this loaded 2-core host)
 WITH_CRIU = 12     # ... plus these with a process checkpoint and a rollback (a CRIU restore)
 
