@@ -15,8 +15,8 @@ import textwrap
 PRELUDE = textwrap.dedent(r"""
     import ctypes, os, subprocess, sys, time
     from crabd.runtime import AdoptedReaper, reap_runc_orphans
-    from crabd.runtime.sandbox import _become_subreaper
-    _become_subreaper()
+    from crabd.runtime.reaper import become_subreaper
+    become_subreaper()
     libc = ctypes.CDLL(None, use_errno=True)
 
     def orphan(name):

@@ -8,7 +8,8 @@ from crabd.errors import (CommandNotFound, ExecError, ExecTimeout, InvalidArgume
                           SandboxNotRunning)
 from crabd.images import validate_name
 from crabd.runtime.cgroups import CgroupLayout
-from crabd.runtime.sandbox import Runtime, _merge_env
+from crabd.runtime.exec_result import merge_env
+from crabd.runtime.sandbox import Runtime
 from crabd.testing import FakeRunner
 from deltafs import Mount
 
@@ -97,7 +98,7 @@ def test_sandbox_found_by_name_and_image_in_use(rt):
 
 
 def test_merge_env_later_wins():
-    assert _merge_env(("A=1", "B=2"), ("A=3", "C=")) == ("A=3", "B=2", "C=")
+    assert merge_env(("A=1", "B=2"), ("A=3", "C=")) == ("A=3", "B=2", "C=")
 
 
 @pytest.mark.parametrize("name", ["debian", "a", "py3.11-slim", "x_y"])
