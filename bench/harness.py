@@ -1,4 +1,5 @@
-"""What several benchmarks measure the same way: the daemon's resident memory.
+"""What several benchmarks do the same way: the daemon's resident memory,
+and the end of a daemon benchmark's `main` (root check, result printed).
 
 The daemon, the busybox image and "wait until the checkpoints settle" are
 shared with the tests and live in `crabd.testing`; this module holds only
@@ -7,12 +8,32 @@ what the tests never need.
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
+from typing import Any
 
 import psutil
 
-__all__ = ["RssSampler"]
+__all__ = ["RssSampler", "require_root", "report"]
+
+
+def require_root(what: str) -> None:
+    """Exit with `what` (e.g. "bench load needs root (it runs a crabd daemon)") when not root."""
+    if os.geteuid() != 0:
+        raise SystemExit(what)
+
+
+def report(out: dict[str, Any], as_json: bool) -> int:
+    """Print a daemon benchmark's result (one JSON document, or one `key: value`
+    line per key) and return its exit status: 0 when `out["ok"]`."""
+    if as_json:
+        print(json.dumps(out, indent=1))
+    else:
+        for k, v in out.items():
+            print(f"{k}: {v if isinstance(v, str) else json.dumps(v)}")
+    return 0 if out["ok"] else 1
 
 
 class RssSampler(threading.Thread):

@@ -62,7 +62,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from bench.harness import RssSampler
+from bench.harness import RssSampler, report, require_root
 from crabd.client import Client
 from crabd.errors import CrabdError
 from crabd.runtime import Runtime
@@ -525,15 +525,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
-    if os.geteuid() != 0:
-        raise SystemExit("bench hostile needs root (it runs a crabd daemon)")
-    out = run(a)
-    if a.json:
-        print(json.dumps(out, indent=1))
-    else:
-        for k, v in out.items():
-            print(f"{k}: {json.dumps(v) if not isinstance(v, str) else v}")
-    return 0 if out["ok"] else 1
+    require_root("bench hostile needs root (it runs a crabd daemon)")
+    return report(run(a), a.json)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,6 @@ Reported:
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import sys
 import tempfile
@@ -38,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._stats import quantiles  # (nearest rank)
-from bench.harness import RssSampler
+from bench.harness import RssSampler, report, require_root
 from crabd.client import Client
 from crabd.errors import CrabdError, NotFound
 from crabd.runtime import Runtime
@@ -208,15 +206,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
-    if os.geteuid() != 0:
-        raise SystemExit("bench load needs root (it runs a crabd daemon)")
-    out = run(a)
-    if a.json:
-        print(json.dumps(out, indent=1))
-    else:
-        for k, v in out.items():
-            print(f"{k}: {json.dumps(v)}")
-    return 0 if out["ok"] else 1
+    require_root("bench load needs root (it runs a crabd daemon)")
+    return report(run(a), a.json)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, WithJsonSchema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deltacr.errors import DeltacrError
+from deltafs.errors import DeltafsError
+
 from .daemon import Daemon, is_disk_full
-from .errors import CrabdError, ExecTimeout, InvalidArgument, NotFound
+from .errors import CrabdError, ExecTimeout, InvalidArgument, NotFound, from_library
 from .images import NAME_PATTERN
 from .runtime import Limits
 from .store import EVENTS_MAX_PAGE
@@ -278,6 +281,13 @@ def make_app(daemon: Daemon, *, token: str | None = None, tokens: dict[str, str]
         if isinstance(e, ExecTimeout):
             body.update(stdout=e.stdout, stderr=e.stderr)
         return JSONResponse({"error": body}, status_code=e.http_status)
+
+    # deltafs and deltacr errors that reach the API: by their crabd class
+    # (crabd.errors.from_library), so the client catches them by type.
+    @app.exception_handler(DeltafsError)
+    @app.exception_handler(DeltacrError)
+    async def library_error(request: Request, e: Exception) -> JSONResponse:
+        return await crabd_error(request, from_library(e) or CrabdError(str(e)))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:

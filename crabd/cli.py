@@ -12,6 +12,10 @@ Defaults are shown by typer (`show_default=`), never written as
 Image commands work on the state directory; sandbox, exec, checkpoint,
 rollback, fork and event commands go through the daemon's socket
 (`--socket`, or $CRABD_SOCKET, default /run/crabd/crabd.sock).
+
+Size (~600 lines): one typer app, one short function per command (each a
+call to the client or the image store, and its table): the app's command
+table reads in one place, and docs/reference/cli.md is rendered from it.
 """
 
 from __future__ import annotations

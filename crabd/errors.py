@@ -25,7 +25,10 @@ converted where they enter crabd, with the context of what crabd was doing.
 Every class here has its own `code`; the client maps a code back to its class
 (`by_code`), so a caller catches the daemon's errors by type.
 deltafs, deltacr and ebpf are libraries that never import crabd and keep
-their own error modules (deltacr.CommandFailed included).
+their own error modules (deltacr.CommandFailed included). Their errors are
+converted to these classes at one seam, `from_library`, where they reach the
+API: a deltacr.CommandFailed is a CommandFailed to a client, a deltafs or
+deltacr NotFound a NotFound, and so on by category.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ __all__ = [
     "ExecTimeout",
     "CommandFailed",
     "by_code",
+    "from_library",
 ]
 
 
@@ -165,3 +169,29 @@ def by_code() -> dict[str, type[CrabdError]]:
         out.setdefault(cls.code, cls)
         todo += cls.__subclasses__()
     return out
+
+
+# The libraries' categories (containerd's errdefs, in deltafs and deltacr
+# alike) and crabd's class for each.
+_CATEGORIES: dict[str, type[CrabdError]] = {
+    "NotFound": NotFound, "AlreadyExists": AlreadyExists, "InvalidArgument": InvalidArgument,
+    "FailedPrecondition": FailedPrecondition, "ImageCorrupted": IntegrityError,
+}
+
+
+def from_library(e: Exception) -> CrabdError | None:
+    """crabd's error for an error of deltafs or deltacr (None for anything
+    else): a command that failed is a CommandFailed with its argv and output;
+    otherwise the class of the error's category (its nearest base named in
+    `_CATEGORIES`), else a plain CrabdError (500) with the library's message."""
+    if type(e).__module__.split(".")[0] not in ("deltafs", "deltacr"):
+        return None
+    fix = getattr(e, "fix", None)
+    if type(e).__name__ == "CommandFailed":
+        return CommandFailed(getattr(e, "argv", []), getattr(e, "returncode", -1), getattr(e, "output", ""),
+                             context=getattr(e, "context", ""), fix=fix)
+    message = getattr(e, "message", None) or str(e)
+    for cls in type(e).__mro__:
+        if cls.__name__ in _CATEGORIES:
+            return _CATEGORIES[cls.__name__](message, fix=fix)
+    return CrabdError(str(e), fix=fix or "see crabd's log")

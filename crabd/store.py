@@ -21,6 +21,12 @@ a valid digest is ever used, and only a commit writes a digest).
 
 Schema changes are numbered migrations applied in order at open, recorded in
 `PRAGMA user_version`; a database newer than this code is refused.
+
+Size (~600 lines): one schema and every query of it. A checkpoint's commit
+writes its row, its seals and its digest in one transaction, and retention,
+branches and events read across the same tables: split by table, the
+transaction boundaries would be spread over modules. The digest rules stay
+beside the columns they cover.
 """
 
 from __future__ import annotations

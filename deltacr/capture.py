@@ -9,7 +9,7 @@ processes with a file system from another moment.
 FROZEN on these hosts: runc hands CRIU the freezer cgroup, CRIU seizes the
 frozen tasks, dumps them and puts the cgroup back in the state it found it
 (FROZEN), so our thaw is the only one. Checked with runc 1.1.5 + CRIU 4.1.1
-(tests/integration/test_deltacr_cr.py::test_consistent_capture_keeps_frozen).
+(tests/integration/deltacr/test_deltacr_cr.py::test_consistent_capture_keeps_frozen).
 """
 
 from __future__ import annotations

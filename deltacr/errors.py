@@ -92,5 +92,6 @@ class CommandFailed(DeltacrError):
         self.argv = list(argv)
         self.returncode = returncode
         self.output = output
+        self.context = context
         tail = [ln for ln in output.strip().splitlines() if ln.strip()][-4:]
         super().__init__(f"{context or ' '.join(argv[:3])} failed (exit {returncode}): {' | '.join(tail) or 'no output'}")

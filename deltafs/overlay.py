@@ -26,6 +26,12 @@ Layout under the state dir::
 
 Paths inside mount options are absolute; with depth <= 16 they fit easily in
 the one page mount(2) accepts (`layers.overlay_options` checks).
+
+Size (~630 lines): one driver of the Snapshotter interface. Its pure logic
+is already apart (layers.py: options, merge plans; tree.py: scanning and
+copying hostile trees); what is left is the sequence of each operation's
+I/O inside the metadata transaction (create in tmp/, rename into place,
+remove to trash/), which reads best in one class.
 """
 
 from __future__ import annotations

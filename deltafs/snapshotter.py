@@ -107,7 +107,7 @@ def _failpoint(name: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-# Chaos hook (`crabd bench chaos`, tests/integration/test_chaos.py):
+# Chaos hook (`crabd bench chaos`, tests/integration/bench/test_chaos.py):
 # CRABD_CHAOS=<phase>[,<phase>...] makes `chaos_point(phase)` announce itself
 # on stderr ("crabd-chaos: <phase> <pid>") and then sleep CRABD_CHAOS_SLEEP
 # seconds (default 0.3), so a test that watches stderr can SIGKILL the

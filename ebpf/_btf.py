@@ -15,17 +15,28 @@ Documentation/bpf/btf.rst for the format): the type section, the string
 section, and struct/union members, descending into anonymous members.
 Pure apart from reading the file; tested on the host's BTF and on
 hand-built blobs.
+
+Parsing the kernel's BTF takes seconds (some 5 MB of types, in Python), and
+the running kernel's types cannot change before the next boot: the offsets
+are kept per boot (the boot id and the kernel release are their key), in
+this process and in a small file under /run (a tmpfs, emptied at boot), so
+only the first inspector load of a boot parses.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import struct
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["VMLINUX", "BtfError", "Btf", "load", "member_offset", "fd_fs_offsets"]
 
 VMLINUX = Path("/sys/kernel/btf/vmlinux")
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+CACHE = Path("/run/ebpf-fd-fs-offsets.json")
 MAGIC = 0xEB9F
 
 # kinds (BTF_KIND_*)
@@ -181,8 +192,59 @@ FD_FS_MEMBERS = (
 )
 
 
-def fd_fs_offsets(btf: Btf | None = None) -> dict[str, int]:
+# This process's offsets (or the BtfError's text) by boot key: see the module doc.
+_by_boot: dict[str, dict[str, int] | str] = {}
+
+
+def boot_key(boot_id: Path = BOOT_ID) -> str:
+    """What the running kernel's offsets depend on: this boot, the kernel
+    release, and the members asked for (a new member is a new key)."""
+    try:
+        boot = boot_id.read_text().strip()
+    except OSError:
+        boot = "unknown-boot"
+    return f"{boot} {os.uname().release} {zlib.crc32(repr(FD_FS_MEMBERS).encode()):08x}"
+
+
+def _read_cache(cache: Path, key: str) -> dict[str, int] | None:
+    try:
+        doc = json.loads(cache.read_text())
+        if doc.get("key") == key and isinstance(doc.get("offsets"), dict):
+            return {str(k): int(v) for k, v in doc["offsets"].items()}
+    except (OSError, ValueError, TypeError, AttributeError):
+        pass  # absent, torn or foreign: parse again
+    return None
+
+
+def _write_cache(cache: Path, key: str, offsets: dict[str, int]) -> None:
+    tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps({"key": key, "offsets": offsets}))
+        os.replace(tmp, cache)
+    except OSError:  # not root, or no /run: the process cache still holds them
+        tmp.unlink(missing_ok=True)
+
+
+def fd_fs_offsets(btf: Btf | None = None, *, cache: Path | None = CACHE, boot_id: Path = BOOT_ID) -> dict[str, int]:
     """The offsets fd_fs() needs, as C macros. Raises BtfError when one is
-    missing (the caller turns the check off and says why)."""
-    b = btf or load()
-    return {macro: member_offset(b, s, m) for macro, s, m in FD_FS_MEMBERS}
+    missing (the caller turns the check off and says why). With `btf` given,
+    read from it; else from the running kernel's, once per boot (module
+    doc): `cache` None keeps them in this process only."""
+    if btf is not None:
+        return {macro: member_offset(btf, s, m) for macro, s, m in FD_FS_MEMBERS}
+    key = boot_key(boot_id)
+    if key not in _by_boot:
+        found = _read_cache(cache, key) if cache is not None else None
+        if found is None:
+            try:
+                found = fd_fs_offsets(load())
+            except BtfError as e:
+                _by_boot[key] = str(e)  # no BTF, or a member missing: the same until the next boot
+                raise
+            if cache is not None:
+                _write_cache(cache, key, found)
+        _by_boot[key] = found
+    got = _by_boot[key]
+    if isinstance(got, str):
+        raise BtfError(got)
+    return dict(got)

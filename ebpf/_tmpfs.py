@@ -52,6 +52,15 @@ Entries on another device are nested mount points: only their name is kept
 (a memory one is scanned as its own mount). Mounts under the watcher's
 `outside` paths (crabd's exec fifos in /dev/.crabd) are skipped.
 
+Why not deltafs.tree.walk_fd, which also walks from directory fds with
+O_NOFOLLOW: that one reads a frozen snapshot and fails on a race, while
+this one reads live mounts of a running sandbox, so every step here is
+different on purpose: a vanished entry or an unopenable directory becomes
+an unknown entry instead of an error, a directory is described from its
+opened fd (what was actually walked), the walk stops at another device,
+opens with O_NOATIME (the sandbox's files must not change by being read),
+and is held to budgets of entries, bytes and depth.
+
 When the scan cannot tell (a budget of entries or bytes exceeded, a mount
 or directory that cannot be opened, a race), the entry is *unknown*: an
 unknown entry never equals another one, so the turn is FS_PROC.

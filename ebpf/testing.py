@@ -178,7 +178,7 @@ class FakeProcessTable:
 
 # --- labelled turns and a cgroup cell to run them in (root) ----------------------
 #
-# Shared by tests/integration/test_ebpf_turns.py and bench/inspector.py. A
+# Shared by tests/integration/ebpf/test_ebpf_turns.py and bench/inspector.py. A
 # `CgroupCell` is a fresh cgroup v2 directory plus a scratch directory; every
 # command runs as `sh -c 'echo $$ > CG/cgroup.procs; exec sh -c CMD'` in the
 # scratch directory, so the whole command tree is in the cell's cgroup, as a

@@ -30,7 +30,7 @@ from ..runtime import Freezer
 from ..store import CheckpointRow, SandboxRow
 from .base import DaemonBase
 from .events import EventKind
-from .plans import blind_reason
+from .plans import save_everything
 from .space import is_disk_full
 
 log = logging.getLogger("crabd")
@@ -112,8 +112,7 @@ class CapturePipeline(DaemonBase):
             # SKIP and FS share state with their parent; one that is not
             # durable (failed, discarded) shares nothing: save everything.
             why = f"parent {ck.parent} is not a durable checkpoint" if ck.parent else "no durable parent"
-            ck.plan, ck.reasons = "FS_PROC", [blind_reason(why)] + list(ck.reasons)
-            ck.plan, ck.reasons = apply_mode(ck.plan, ck.reasons, self.options.capture)
+            ck.plan, ck.reasons = apply_mode(*save_everything(why, ck.reasons), self.options.capture)
         if ck.plan == "SKIP" and parent is not None:
             self.store.commit_checkpoint(ck.id, fs_snapshot=parent.fs_snapshot, proc_image=parent.proc_image,
                                          bytes=0, durations={"queue": queue, "total": time.monotonic() - t_start,

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Sequence
 if TYPE_CHECKING:
     from ..store import CheckpointRow
 
-__all__ = ["DIED_REASON", "BLIND_RESTART", "BLIND_RESTORED", "blind_reason", "died_during_turn", "is_complete"]
+__all__ = ["DIED_REASON", "BLIND_RESTART", "BLIND_RESTORED", "blind_reason", "save_everything", "died_during_turn",
+           "is_complete"]
 
 # In the reasons of a checkpoint of a turn during which the sandbox died: its
 # files are the command's half-done work, so it is no recovery target (the
@@ -34,6 +35,14 @@ BLIND_RESTORED = "processes were restored and ran before the inspector watched t
 
 def blind_reason(why: str) -> str:
     return f"saving everything: {why}"
+
+
+def save_everything(why: str, reasons: Sequence[str]) -> tuple[str, list[str]]:
+    """The plan and reasons of a checkpoint that saves everything because the
+    record is broken (`why`), whatever its plan was: the reason is said even
+    when the plan was FS_PROC already, as it is why the next ones may save
+    less. The capture mode (crabd.capture.apply_mode) still applies after."""
+    return "FS_PROC", [blind_reason(why)] + list(reasons)
 
 
 def died_during_turn(reasons: Sequence[str] | None) -> bool:

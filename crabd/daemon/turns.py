@@ -23,7 +23,7 @@ from ..runtime import pid_alive
 from ..store import CheckpointRow, SandboxRow
 from .base import DaemonBase, Turns
 from .names import checkpoint_id
-from .plans import DIED_REASON, blind_reason
+from .plans import DIED_REASON, save_everything
 from .space import is_disk_full
 
 __all__ = ["TurnLoop"]
@@ -171,9 +171,8 @@ class TurnLoop(DaemonBase):
         if passed:
             blind = blind or (f"checkpoint(s) {', '.join(c.id for c in passed[:3])} did not commit "
                               f"({passed[0].state}): their turns' changes were never saved")
-        if blind:  # said even when the plan was FS_PROC already: it is why the next ones may save less
-            kind = "FS_PROC"
-            reasons = [blind_reason(blind)] + reasons
+        if blind:
+            kind, reasons = save_everything(blind, reasons)
         kind, reasons = apply_mode(kind, reasons, self.options.capture)
         if died:
             reasons.append(DIED_REASON)

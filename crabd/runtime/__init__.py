@@ -11,7 +11,9 @@
 
 from .cgroups import CgroupLayout, Freezer, detect_layout
 from .oci import Limits, build_config
-from .sandbox import DEFAULT_OUTPUT_LIMIT, AdoptedReaper, ExecResult, Runtime, Sandbox, pid_alive, reap, reap_runc_orphans
+from .exec_result import ExecResult
+from .reaper import AdoptedReaper, pid_alive, reap, reap_runc_orphans
+from .sandbox import DEFAULT_OUTPUT_LIMIT, Runtime, Sandbox
 
 __all__ = ["CgroupLayout", "Freezer", "detect_layout", "Limits", "build_config",
            "DEFAULT_OUTPUT_LIMIT", "ExecResult", "Runtime", "Sandbox", "pid_alive", "reap", "reap_runc_orphans",

@@ -143,7 +143,7 @@ def sweep_cgroup(rel: str, kill: bool = True) -> None:
     """Kill whatever is left in cgroup `rel` (every hierarchy, the unified
     one included: runc delete may leave that one) and remove it.
     kill=False (after a standby's promotion): only remove the empty ones."""
-    from .sandbox import reap
+    from .reaper import reap
     cgs = [c / rel.lstrip("/") for c in CGROUP_ROOT.iterdir()]
     cgs = [c for c in cgs if c.is_dir()]
     if not kill:

@@ -67,7 +67,7 @@ class ProcessCheckpoint:
 
 def runc_for(rt: Runtime, root: Path | None = None) -> Runc:
     # CRABD_CRIU: the CRIU command runc runs (default `criu` on PATH); tests
-    # point it at a wrapper that makes CRIU fail (tests/integration/test_criu_failure.py).
+    # point it at a wrapper that makes CRIU fail (tests/integration/crabd/daemon/test_criu_failure.py).
     criu = host_criu(rt.state_dir / "deltacr", criu=os.environ.get("CRABD_CRIU") or "criu")
     return Runc(root or rt.runc_root, runc=rt.runc_bin, criu=criu)
 

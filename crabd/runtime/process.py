@@ -16,7 +16,7 @@ from __future__ import annotations
 from .cgroups import sweep_standby_cgroups as _sweep_standby_cgroups
 from .criu import (STOPPED_TASK_LIMIT, TIME_NS_LIMIT, CheckpointableRunner, ProcessCheckpoint, checkpoint_processes,
                    gc_scratch, restore_processes, rollback_processes)
-from .criu import _check_tree as _check_tree  # noqa: F401 -- re-exported: tests/unit/test_deltacr_process.py
+from .criu import _check_tree as _check_tree  # noqa: F401 -- re-exported: tests/unit/crabd/runtime/test_deltacr_process.py
 from .criu import scratch_dir as _scratch  # noqa: F401 -- its old name: bench/cr.py
 from .procfs import tcp_table_connected
 from .sandbox import Runtime

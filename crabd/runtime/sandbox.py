@@ -12,11 +12,13 @@ The root is a list of `deltafs.Mount` specs mounted on `bundle/rootfs`
 before `runc create`: by default a plain overlay of the image; deltafs
 supplies snapshot mounts instead. runc's own state lives in `<state>/runc`
 so several crabd instances (tests) never see each other's containers.
+
+Beside it: exec_result.py (what an exec's report means, pure) and reaper.py
+(the children crabd adopts as a child subreaper, and their reaping).
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import builtins
@@ -31,19 +33,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-import psutil
-
 from deltafs import Mount, is_mountpoint, mount_all, unmount
 from deltafs.mount import unmount_below
 
 from .. import config
-from ..errors import (CommandNotExecutable, CommandNotFound, ExecError, ExecTimeout, FailedPrecondition,
-                      InvalidArgument, NotFound, SandboxNotRunning)
+from ..errors import FailedPrecondition, InvalidArgument, NotFound, SandboxNotRunning
 from ..images import ImageStore, validate_name
 from ..runner import Runner, SubprocessRunner
 from . import channel
 from .cgroups import CgroupLayout, Freezer, detect_layout
+from .exec_result import ExecResult, exec_result, merge_env
 from .oci import DEFAULT_ENV, INIT_PATH, RUN_PATH, Limits, build_config, loopback_hook
+from .reaper import become_subreaper, kill_tree_from_pidfile, pidfile_alive, read_pid, reap, reap_runc_orphans
 
 log = logging.getLogger(__name__)
 
@@ -86,25 +87,6 @@ class Sandbox:
         }
 
 
-@dataclass(frozen=True)
-class ExecResult:
-    exit_code: int
-    stdout: str
-    stderr: str
-    duration: float
-    stdout_truncated: bool = False
-    stderr_truncated: bool = False
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"exit_code": self.exit_code, "stdout": self.stdout, "stderr": self.stderr,
-                "duration": self.duration, "stdout_truncated": self.stdout_truncated,
-                "stderr_truncated": self.stderr_truncated}
-
-
-def _marker(dropped: int) -> str:
-    return f"\n[crabd: output truncated: {dropped} more bytes not shown]\n"
-
-
 class Runtime:
     """Create, run commands in, freeze, stop and destroy sandboxes.
 
@@ -134,7 +116,7 @@ class Runtime:
         # sandbox's: runc lives in the host's pid namespace), and some inits
         # never reap. As a child subreaper this process adopts the wrappers
         # and reaps each one when its exec ends.
-        _become_subreaper()
+        become_subreaper()
         self._unreaped: set[int] = set()
         self._reap_guard = threading.Lock()
 
@@ -205,7 +187,7 @@ class Runtime:
                                                  f"workdir={d / 'work'}", "index=off"))]
         sb = Sandbox(id=sid, name=name or sid, image=image, created_at=time.time(), limits=limits or Limits(),
                      root=list(root), dir=d, labels=dict(labels or {}))
-        env = _merge_env(DEFAULT_ENV, tuple(img.env))
+        env = merge_env(DEFAULT_ENV, tuple(img.env))
         cfg = build_config(sandbox_id=sid, init_source=str(self.init_binary), run_source=str(d / "run"),
                            cgroups_path=sb.cgroup_rel,
                            limits=sb.limits, env=env, annotations=annotations, hooks=_hooks(),
@@ -400,15 +382,15 @@ class Runtime:
                   "--", *argv]
 
         def kill_tree() -> None:
-            _kill_tree_from_pidfile(pidfile)
+            kill_tree_from_pidfile(pidfile)
 
         def wrapper_alive() -> bool:
-            return _pid_alive(pidfile)
+            return pidfile_alive(pidfile)
 
         try:
             cap = self.runner.capture(rargv, timeout=timeout, input=data, cap=output_limit, on_timeout=kill_tree,
                                       status_fd=status_fd, still_running=wrapper_alive)
-            self._reap(_read_pid(pidfile))
+            self._reap(read_pid(pidfile))
         finally:
             os.close(status_fd)
             fifo.unlink(missing_ok=True)
@@ -432,7 +414,7 @@ class Runtime:
 
     def _exec_env(self, img: Any, env: dict[str, str] | None) -> tuple[str, ...]:
         img_env = tuple(img.env) if img else ()
-        return _merge_env(_merge_env(DEFAULT_ENV, img_env), tuple(f"{k}={v}" for k, v in (env or {}).items()))
+        return merge_env(merge_env(DEFAULT_ENV, img_env), tuple(f"{k}={v}" for k, v in (env or {}).items()))
 
     def _exec_by_init(self, ref: str, argv: builtins.list[str], env: dict[str, str] | None, cwd: str | None, data: bytes,
                       timeout: float | None, output_limit: int) -> ExecResult | None:
@@ -467,46 +449,7 @@ class Runtime:
         return self._exec_result(sb, argv, cap, timeout)
 
     def _exec_result(self, sb: Sandbox, argv: builtins.list[str], cap: Any, timeout: float | None) -> ExecResult:
-        """The agent's result of an exec from the wrapper's (or init's) report."""
-        out = cap.stdout.decode(errors="replace")
-        err = cap.stderr.decode(errors="replace")
-        if cap.stdout_dropped:
-            out += _marker(cap.stdout_dropped)
-        if cap.stderr_dropped:
-            err += _marker(cap.stderr_dropped)
-        if cap.timed_out:
-            raise ExecTimeout(f"command {argv[0]!r} in sandbox {sb.id} did not finish within {timeout}s; it was killed",
-                              stdout=out, stderr=err, timeout=timeout or 0.0)
-        kind, _, value = (cap.status or "").partition(" ")
-        if kind == "X":
-            code = int(value)
-        elif kind == "S":
-            code = 128 + int(value)
-        elif kind == "E":
-            eno = int(value)
-            if eno == errno.ENOENT:
-                raise CommandNotFound(f"command {argv[0]!r} not found in sandbox {sb.id}",
-                                      fix="check the program exists in the image and is on PATH, or pass a shell string")
-            if eno in (errno.EACCES, errno.ENOEXEC, errno.EPERM, errno.EISDIR):
-                raise CommandNotExecutable(f"{argv[0]!r} in sandbox {sb.id} is not executable: {os.strerror(eno)}",
-                                           fix="check its mode (chmod +x) and format, or run it through a shell")
-            raise ExecError(f"could not execute {argv[0]!r} in sandbox {sb.id}: {os.strerror(eno)}")
-        elif kind == "C":
-            raise ExecError(f"cannot enter the working directory in sandbox {sb.id}: {os.strerror(int(value))}")
-        else:
-            if cap.returncode != 0:
-                if self._status(sb.id)[0] != "running":
-                    raise SandboxNotRunning(f"sandbox {sb.id} is not running", fix="roll it back or recreate it")
-                raise ExecError(f"runc exec failed in sandbox {sb.id}: {(err.strip().splitlines() or ['?'])[-1]}")
-            # The wrapper vanished without a report: killed from outside
-            # (OOM killer, the sandbox stopping).
-            if self._status(sb.id)[0] != "running":
-                raise SandboxNotRunning(f"sandbox {sb.id} stopped while running {argv[0]!r}",
-                                        fix="roll it back or recreate it")
-            code = 137
-            err += f"\n[crabd: {argv[0]!r} was killed before it could report its exit status]\n"
-        return ExecResult(exit_code=code, stdout=out, stderr=err, duration=cap.duration,
-                          stdout_truncated=bool(cap.stdout_dropped), stderr_truncated=bool(cap.stderr_dropped))
+        return exec_result(sb.id, argv, cap, timeout, running=lambda: self._status(sb.id)[0] == "running")
 
     # --- internals -------------------------------------------------------------------
     def _reap(self, pid: int | None) -> None:
@@ -649,178 +592,6 @@ def _hooks() -> dict[str, list[dict[str, Any]]] | None:
 def raise_exists(name: str) -> None:
     from ..errors import AlreadyExists
     raise AlreadyExists(f"a sandbox named {name!r} already exists", fix="pick another name or remove that sandbox")
-
-
-def _merge_env(base: tuple[str, ...], extra: tuple[str, ...]) -> tuple[str, ...]:
-    """Later entries override earlier ones by variable name. Pure."""
-    merged: dict[str, str] = {}
-    for e in (*base, *extra):
-        k, _, v = e.partition("=")
-        if not k:
-            continue
-        merged[k] = v
-    return tuple(f"{k}={v}" for k, v in merged.items())
-
-
-def _become_subreaper() -> None:
-    import ctypes
-    PR_SET_CHILD_SUBREAPER = 36
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-
-
-def _read_pid(pidfile: Path) -> int | None:
-    try:
-        return int(pidfile.read_text().strip())
-    except (FileNotFoundError, ValueError):
-        return None
-
-
-def pid_alive(pid: int) -> bool:
-    """Is process `pid` alive (not gone, not a zombie)?"""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def reap(pid: int) -> None:
-    """Reap `pid` if it is an exited child of this process. crabd is a child
-    subreaper (see Runtime), so a sandbox init restored by CRIU (`runc
-    restore --detach`) becomes its child; unreaped, it stays a zombie that
-    runc still reports as running."""
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-
-
-def reap_runc_orphans() -> list[int]:
-    """Reap zombie children of this process that are stages of `runc init`
-    (`runc:[1:CHILD]`, `runc:[2:INIT]`): runc's own children, never started
-    by crabd, adopted by crabd (a child subreaper) when a `runc exec` dies
-    half-way, e.g. when every process of its sandbox is killed while the exec
-    is joining it. One left unreaped in a sandbox's pid namespace keeps the
-    sandbox's init from ever finishing its exit (it waits in
-    zap_pid_ns_processes), so its death would never be noticed. Only these
-    names: crabd's own children are reaped by whoever waits for them."""
-    return [pid for pid, comm, _ in _zombie_children() if comm.startswith("runc:[") and _reap_zombie(pid)]
-
-
-# What CRIU runs as on these hosts: `criu`, or its loader when CRIU is run
-# through a private libc (scripts/setup-host's /usr/local/bin/criu wrapper).
-_CRIU_COMMS = ("criu", "ld-linux-x86-64")
-
-
-class AdoptedReaper:
-    """Reaps the zombie children crabd adopted as a child subreaper and that
-    nobody else waits for; run periodically (crabd/daemon/deathwatch.py).
-
-    Adopted, never started by crabd: every sandbox init (`runc create`'s
-    child), the tree of every CRIU restore (`runc restore --detach`), exec
-    wrappers, runc's init stages, and CRIU itself when the runc that ran it
-    was killed. Unreaped, each stays a zombie until crabd exits (1,105 of
-    them after ~560 sandboxes). Which zombies are reaped, and why each rule
-    cannot steal the exit status of a child a `subprocess.Popen` of crabd
-    waits on (Popen would then report exit status 0, see subprocess's ECHILD
-    handling):
-      - runc's init stages (`runc:[...]`): runc's children, never crabd's;
-      - any process of a deeper pid namespace than crabd's (a sandbox's):
-        crabd starts nothing there itself; `runc exec` runs inside only
-        through runc, which is the Popen child;
-      - CRIU (by name) once it has stayed a zombie for two rounds: crabd's
-        own CRIU runs (`criu check`) are waited on the moment they exit.
-    `skip`: pids someone reaps on purpose (the death watch's sandbox inits:
-    reaped here first, their pid could be reused before the watch looks)."""
-
-    def __init__(self) -> None:
-        self._lingering: set[int] = set()
-        self._level = _pidns_level(os.getpid())
-
-    def reap(self, skip: set[int] | frozenset[int] = frozenset()) -> list[tuple[int, str]]:
-        out: list[tuple[int, str]] = []
-        lingering: set[int] = set()
-        for pid, comm, level in _zombie_children():
-            if pid in skip:
-                continue
-            if comm.startswith("runc:[") or (level is not None and self._level is not None and level > self._level):
-                pass
-            elif comm in _CRIU_COMMS:
-                if pid not in self._lingering:
-                    lingering.add(pid)
-                    continue
-            else:
-                continue
-            if _reap_zombie(pid):
-                out.append((pid, comm))
-        self._lingering = lingering
-        return out
-
-
-def _zombie_children() -> list[tuple[int, str, int | None]]:
-    """(pid, comm, pid-namespace depth) of this process's zombie children."""
-    kids: set[int] = set()
-    try:  # every thread's children (an orphan is adopted by any thread of the reaper): cheap, no /proc scan
-        for task in os.scandir("/proc/self/task"):
-            with open(f"/proc/self/task/{task.name}/children") as f:
-                kids.update(int(x) for x in f.read().split())
-    except OSError:
-        kids = {k.pid for k in psutil.Process().children()}
-    out = []
-    for pid in sorted(kids):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        comm, state = stat[stat.find("(") + 1:stat.rfind(")")], stat[stat.rfind(")") + 2:][:1]
-        if state == "Z":
-            out.append((pid, comm, _pidns_level(pid)))
-    return out
-
-
-def _pidns_level(pid: int) -> int | None:
-    """How many pid namespaces `pid` is seen in (NSpid; a zombie keeps it)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("NSpid:"):
-                    return len(line.split()) - 1
-    except OSError:
-        pass
-    return None
-
-
-def _reap_zombie(pid: int) -> bool:
-    try:
-        return os.waitpid(pid, os.WNOHANG)[0] == pid
-    except ChildProcessError:
-        return False
-
-
-def _pid_alive(pidfile: Path) -> bool:
-    """Is the process named by `pidfile` alive?"""
-    pid = _read_pid(pidfile)
-    return pid is not None and pid_alive(pid)
-
-
-def _kill_tree_from_pidfile(pidfile: Path) -> None:
-    """SIGKILL an exec'd process and every descendant (host side)."""
-    try:
-        pid = int(pidfile.read_text().strip())
-    except (FileNotFoundError, ValueError):
-        return
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-
 
 
 def _other_time_ns(pid: int | None) -> bool:
