@@ -547,6 +547,27 @@ class Store:
         """Events after `seq`, oldest first (at most `limit`)."""
         return self.events_page(since=seq, sandbox_id=sandbox_id, limit=limit)[0]
 
+    def checkpoint_totals(self, since: float) -> tuple[dict[str, dict[str, Any]], dict[str, float]]:
+        """Per sandbox: committed checkpoints, their bytes and the newest
+        checkpoint's plan; and host-wide, the checkpoints committed since
+        `since` (a time) and their bytes. One pass each, for the operator
+        view's host summary (not one query per sandbox)."""
+        with self._lock:
+            per = self._db.execute(
+                "SELECT sandbox_id, COUNT(*) AS n, COALESCE(SUM(bytes), 0) AS bytes, MAX(seq) AS last "
+                "FROM checkpoints WHERE state='committed' GROUP BY sandbox_id").fetchall()
+            plans = self._db.execute(
+                "SELECT c.sandbox_id, c.plan FROM checkpoints c JOIN (SELECT sandbox_id, MAX(seq) AS m "
+                "FROM checkpoints WHERE state IN ('committed','pending') GROUP BY sandbox_id) x "
+                "ON c.sandbox_id = x.sandbox_id AND c.seq = x.m").fetchall()
+            recent = self._db.execute(
+                "SELECT COUNT(*) AS n, COALESCE(SUM(bytes), 0) AS bytes FROM checkpoints "
+                "WHERE state='committed' AND created_at >= ?", (since,)).fetchone()
+        out = {r["sandbox_id"]: {"checkpoints": r["n"], "bytes": r["bytes"], "last_plan": None} for r in per}
+        for r in plans:
+            out.setdefault(r["sandbox_id"], {"checkpoints": 0, "bytes": 0})["last_plan"] = r["plan"]
+        return out, {"checkpoints": recent["n"], "bytes": recent["bytes"]}
+
     def events_page(self, *, since: int = 0, before: int | None = None, sandbox_id: str | None = None,
                     owner: str | None = None, limit: int = EVENTS_MAX_PAGE,
                     newest_first: bool = False) -> tuple[list[Event], bool]:
