@@ -120,8 +120,9 @@ def host_summary(daemon: Daemon, owner: str | None, now: float | None = None) ->
 def rollback_preview(daemon: Daemon, sid: str, checkpoint: str, owner: str | None) -> dict[str, Any]:
     """What `POST /v1/sandboxes/{sid}/rollback` to `checkpoint` would
     abandon (the checkpoints from the head back to where the target's line
-    meets it) and the effects it would not undo (the same ledger report the
-    rollback's reply carries). Changes nothing."""
+    meets it) and the effects it would not undo: what the inspector saw
+    leave the sandbox on that stretch, and the ledger's effects, both as
+    the rollback's reply reports them. Changes nothing."""
     row = daemon._own(daemon.store.get_sandbox(sid), owner)
     ck = daemon.resolve_checkpoint(row.id, checkpoint)
     keep: set[str] = set()
@@ -142,7 +143,8 @@ def rollback_preview(daemon: Daemon, sid: str, checkpoint: str, owner: str | Non
         lost.append({"id": c.id, "seq": c.seq, "turn": c.turn, "branch": c.branch, "plan": c.plan})
         cid = c.parent
     return {"sandbox": row.id, "checkpoint": ck.id, "turn": ck.turn, "head": row.head,
-            "lost": lost, "ledger": daemon._ledger_report(row.id, row, ck)}
+            "lost": lost, "effects_not_undone": daemon._effects_after(row.head, ck.id),
+            "ledger": daemon._ledger_report(row.id, row, ck)}
 
 
 def mount(app: FastAPI, daemon: Daemon) -> None:

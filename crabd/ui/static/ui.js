@@ -233,7 +233,7 @@ function renderTree() {
     const fk = (forksAt.get(c.id) || []).map((f) => link('#/sb/' + encodeURIComponent(f.id), '⑂ ' + f.name));
     const done = c.state === 'committed';
     return el('tr', { class: (c.id === head ? 'head ' : '') + (onHead.has(c.id) ? '' : 'gone'), 'data-checkpoint': c.id },
-      el('td', { class: 'gutter' }, g), el('td', {}, '#' + c.seq), el('td', {}, c.id === head ? '★ head' : ''),
+      el('td', { class: 'gutter' }, g), el('td', {}, '#' + c.seq), el('td', {}, c.id === head ? (state.sb.info.branch !== c.branch ? `★ head → b${state.sb.info.branch}` : '★ head') : ''),
       el('td', {}, 'turn ' + c.turn), el('td', {}, 'b' + c.branch), el('td', {}, plan(c.plan)),
       el('td', {}, c.state === 'committed' ? bytes(c.bytes) : c.state),
       el('td', {}, ms(c.durations && c.durations.pause)), el('td', { class: 'kept' }, (c.kept || []).join(', ')),
@@ -298,7 +298,7 @@ function renderDiffOut() {
       d.truncated ? ` (first ${d.changes.length} shown)` : ''),
     pager(state.diffPage, d.changes.length, PAGE, (p) => { state.diffPage = p; renderDiffOut(); }),
     el('table', {}, el('tbody', {}, d.changes.slice(start, start + PAGE).map((c) => el('tr', {},
-      el('td', {}, c.kind), el('td', { class: 'wrap mono' }, c.path), el('td', {}, c.type || ''),
+      el('td', {}, c.kind), el('td', { class: 'wrap mono' }, c.path.startsWith('/') ? c.path : '/' + c.path), el('td', {}, c.type || ''),
       el('td', {}, c.size !== undefined ? bytes(c.size) : '')))))));
 }
 function renderEffects() {
@@ -337,13 +337,17 @@ async function confirmRollback(c) {
   try { pv = await api('GET', `/v1/sandboxes/${encodeURIComponent(sid)}/rollback/preview?checkpoint=${encodeURIComponent(c.id)}`); }
   catch (e) { dialog(errorBox(e), el('button', { onclick: closeDialog }, 'close')); return; }
   const notUndone = (pv.ledger.committed_after || []).concat(pv.ledger.unknown || []);
+  const seen = pv.effects_not_undone || [];
   const out = el('div', { id: 'action-result' });
   dialog(el('h2', {}, `Roll ${state.sb.info.name} back to #${c.seq} (turn ${c.turn})?`),
     el('p', {}, `Files and processes return to checkpoint ${c.id}; a new branch starts there.`),
     el('h3', {}, `Left behind on the current line: ${pv.lost.length} checkpoint(s)`),
     pv.lost.length ? el('p', { class: 'mono' }, pv.lost.slice(0, 30).map((l) => `#${l.seq} (turn ${l.turn}, ${l.plan})`).join(', '),
       pv.lost.length > 30 ? ` and ${pv.lost.length - 30} more` : '') : el('p', { class: 'muted' }, 'nothing'),
-    el('h3', {}, `External effects NOT undone: ${notUndone.length}`), effectList(notUndone),
+    el('h3', {}, `External effects NOT undone: ${notUndone.length} in the ledger, ${seen.length} turn(s) seen by the inspector`),
+    effectList(notUndone),
+    seen.length ? el('ul', { id: 'seen-not-undone' }, seen.map((s) => el('li', {}, `turn ${s.turn} (${s.checkpoint}): `,
+      s.unknown ? 'may have reached the outside (not observable)' : 'reached the outside', s.reasons.length ? ': ' + s.reasons.join('; ') : ''))) : '',
     el('div', { class: 'toolbar' },
       el('button', { class: 'danger', id: 'confirm', onclick: async (ev) => {
         ev.target.disabled = true;
@@ -368,7 +372,7 @@ function confirmFork(c) {
         ev.target.disabled = true;
         try {
           const r = await api('POST', `/v1/checkpoints/${encodeURIComponent(c.id)}/fork`, { count: Number(n.value) });
-          out.replaceChildren(el('p', {}, 'forked: ', r.sandboxes.map((s) => link('#/sb/' + encodeURIComponent(s.id), s.name + ' '))));
+          out.replaceChildren(el('p', {}, 'forked: ', r.sandboxes.map((s) => link('#/sb/' + encodeURIComponent(s.id || s), (s.name || s) + ' '))));
           showSandbox(state.sb.id);
         } catch (e) { out.replaceChildren(errorBox(e)); ev.target.disabled = false; }
       } }, 'fork'),
