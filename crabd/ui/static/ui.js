@@ -117,6 +117,7 @@ async function showHost() {
   catch (e) { replace('host-stats', el('div', { class: 'card' }, errorBox(e))); return; }
   if (state.route.view !== 'host') return;
   renderHostStats(); renderHostTable();
+  performance.mark('crabd:host-rendered');  // bench/ui.py reads these marks
 }
 function renderHostStats() {
   const h = state.host, s = h.sandboxes;
@@ -192,6 +193,7 @@ async function showSandbox(id) {
     renderDiff();
   }
   renderSbHead(); renderTree(); renderTurns(); renderEffects(); renderBudget(); renderEvents();
+  performance.mark('crabd:sandbox-rendered');
 }
 function renderSbHead() {
   const i = state.sb.info;
