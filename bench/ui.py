@@ -143,18 +143,22 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 pg.goto(fwd.url)
                 pg.wait_for_function("performance.getEntriesByName('crabd:host-rendered').length > 0")
                 host_ms = pg.evaluate("performance.getEntriesByName('crabd:host-rendered')[0].startTime")
+                host_data = pg.evaluate("performance.getEntriesByName('crabd:host-data')[0].startTime")
                 rows = pg.locator("#host-table tbody tr").count()
                 tasks = pg.evaluate("window.__longtasks")
                 pg.goto(f"{base}/ui/#/sb/{big}")
                 pg.reload()   # a fresh load of the sandbox view itself
                 pg.wait_for_function("performance.getEntriesByName('crabd:sandbox-rendered').length > 0")
                 sb_ms = pg.evaluate("performance.getEntriesByName('crabd:sandbox-rendered')[0].startTime")
+                sb_data = pg.evaluate("performance.getEntriesByName('crabd:sandbox-data')[0].startTime")
                 tree_rows = pg.locator("#sb-tree tbody tr").count()
                 tree_all = pg.evaluate("(() => { const t = performance.now(); state.treeRows = 1e9; renderTree();"
                                        " return performance.now() - t; })()")
                 all_rows = pg.locator("#sb-tree tbody tr").count()
                 tasks += pg.evaluate("window.__longtasks")
-                runs.append({"host_ms": host_ms, "sandbox_ms": sb_ms, "tree_all_ms": tree_all,
+                runs.append({"host_ms": host_ms, "host_data_ms": host_data, "host_render_ms": host_ms - host_data,
+                             "sandbox_ms": sb_ms, "sandbox_data_ms": sb_data, "sandbox_render_ms": sb_ms - sb_data,
+                             "tree_all_ms": tree_all,
                              "longest_task_ms": max(tasks) if tasks else 0.0, "host_rows": rows,
                              "tree_rows_first": tree_rows, "tree_rows_all": all_rows})
                 ctx.close()

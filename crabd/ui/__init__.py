@@ -77,10 +77,12 @@ def _assets() -> dict[str, tuple[bytes, str]]:
     return out
 
 
-def host_summary(daemon: Daemon, owner: str | None, now: float | None = None) -> dict[str, Any]:
+def host_summary(daemon: Daemon, owner: str | None, jobs: tuple[list[Any], list[Any]],
+                 now: float | None = None) -> dict[str, Any]:
     """The host view's data in one reply: every sandbox the owner may see
     with its checkpoint count, bytes, last plan and hot standby; the
-    scheduler's queue; stalls; checkpoints committed in the last minute."""
+    scheduler's (queued, running) `jobs`, read on the event loop that
+    changes them; stalls; checkpoints committed in the last minute."""
     now = time.time() if now is None else now
     rows = daemon.store.list_sandboxes(owner)
     per, recent = daemon.store.checkpoint_totals(now - THROUGHPUT_WINDOW_S)
@@ -95,9 +97,8 @@ def host_summary(daemon: Daemon, owner: str | None, now: float | None = None) ->
             "checkpoints": t.get("checkpoints", 0), "bytes": t.get("bytes", 0), "last_plan": t.get("last_plan"),
             "standby": sb.checkpoint if sb is not None else None})
     mine = {r.id for r in rows}
-    sched = daemon.scheduler
 
-    def jobs(js: list[Any]) -> list[dict[str, Any]]:
+    def listed(js: list[Any]) -> list[dict[str, Any]]:
         # Another owner's jobs are counted, never named.
         return [{"kind": getattr(j.kind, "value", str(j.kind)),
                  "sandbox_id": j.sandbox_id if owner is None or j.sandbox_id in mine else None,
@@ -110,8 +111,8 @@ def host_summary(daemon: Daemon, owner: str | None, now: float | None = None) ->
     no_wait = reg.get_sample_value("crabd_stall_seconds_bucket", {"le": "0.0"}) or 0.0
     return {
         "now": now, "sandboxes": sandboxes,
-        "scheduler": {"queued": jobs(sched.queued()), "running": jobs(sched.running()),
-                      "max_concurrency": sched.policy.max_concurrency},
+        "scheduler": {"queued": listed(jobs[0]), "running": listed(jobs[1]),
+                      "max_concurrency": daemon.scheduler.policy.max_concurrency},
         "stalls": {"turns": int(stall_n), "stalled": int(stall_n - no_wait), "total_s": round(stall_s, 4)},
         "throughput": {"window_s": THROUGHPUT_WINDOW_S, **recent},
     }
@@ -182,7 +183,8 @@ def mount(app: FastAPI, daemon: Daemon) -> None:
         turns, branch, checkpoints, bytes, last plan and ready hot standby; the scheduler's queued and running
         jobs; stalls so far; checkpoints committed (and their bytes) over the last minute."""
         owner = request.scope.get("state", {}).get("crabd_owner")
-        return await asyncio.to_thread(host_summary, daemon, owner)
+        jobs = (daemon.scheduler.queued(), daemon.scheduler.running())  # here: the loop's thread owns the queue
+        return await asyncio.to_thread(host_summary, daemon, owner, jobs)
 
     @app.get("/v1/sandboxes/{sid}/rollback/preview")
     async def rollback_preview_(request: Request,

@@ -115,6 +115,7 @@ async function showHost() {
   }
   try { state.host = await api('GET', '/v1/host'); }
   catch (e) { replace('host-stats', el('div', { class: 'card' }, errorBox(e))); return; }
+  performance.mark('crabd:host-data');
   if (state.route.view !== 'host') return;
   renderHostStats(); renderHostTable();
   performance.mark('crabd:host-rendered');  // bench/ui.py reads these marks
@@ -164,20 +165,18 @@ function renderEvents() {
 // ---- sandbox view -------------------------------------------------------------------------
 async function loadSandbox(id) {
   const enc = encodeURIComponent(id);
-  const [info, cks, budget, effects, host] = await Promise.all([
+  // All at once. The time line is the sandbox's newest events' turn.ended
+  // (one page: the API's largest); forks are found in the host summary.
+  const [info, cks, budget, effects, host, evs] = await Promise.all([
     api('GET', `/v1/sandboxes/${enc}`), api('GET', `/v1/sandboxes/${enc}/checkpoints?all=true`),
     api('GET', `/v1/sandboxes/${enc}/budget`), api('GET', `/v1/sandboxes/${enc}/effects?lineage=true`),
-    api('GET', '/v1/host')]);
-  // The turn time line: the sandbox's turn.ended events (all pages, oldest first).
-  const turns = []; let since = 0;
-  for (let i = 0; i < 50; i++) {
-    const p = await api('GET', `/v1/events?follow=false&sandbox=${enc}&since=${since}`);
-    for (const e of p.events) if (e.kind === 'turn.ended') turns.push(e);
-    if (!p.more) break;
-    since = p.next;
-  }
-  const forks = host.sandboxes.filter((s) => s.forked_from && cks.checkpoints.some((c) => c.id === s.forked_from));
-  return { id, info, checkpoints: cks.checkpoints, budget, effects: effects.effects, turns, forks };
+    api('GET', '/v1/host'), api('GET', `/v1/events?follow=false&sandbox=${enc}&latest=1000`)]);
+  performance.mark('crabd:sandbox-data');
+  const turns = evs.events.filter((e) => e.kind === 'turn.ended');
+  const ids = new Set(cks.checkpoints.map((c) => c.id));
+  const forks = host.sandboxes.filter((s) => s.forked_from && ids.has(s.forked_from));
+  return { id, info, checkpoints: cks.checkpoints, budget, effects: effects.effects, turns, forks,
+           olderEvents: evs.events.length > 0 && evs.events[0].seq > 1 && evs.events.length >= evs.limit };
 }
 async function showSandbox(id) {
   const main = document.getElementById('main');
@@ -216,6 +215,8 @@ function renderTree() {
     span.set(c.branch, [Math.min(s[0], c.parent && byId.has(c.parent) ? byId.get(c.parent).seq : c.seq), Math.max(s[1], c.seq)]);
   }
   const nl = Math.min(lanes.size, MAX_LANES);
+  const laneSpan = [];   // lane -> [first seq, last seq] of its branch (from its split point)
+  for (const [b, l] of lanes) if (l < nl) laneSpan[l] = span.get(b);
   const onHead = new Set();
   for (let id = head; id && byId.has(id) && !onHead.has(id); id = byId.get(id).parent) onHead.add(id);
   const ordered = cks.slice().reverse();
@@ -226,7 +227,7 @@ function renderTree() {
     const lane = lanes.get(c.branch);
     let g = '';
     for (let l = 0; l < nl; l++) {
-      const b = [...lanes.entries()].find((x) => x[1] === l)[0], s = span.get(b);
+      const s = laneSpan[l];
       g += l === lane ? '●' : (s[0] <= c.seq && c.seq <= s[1] ? '│' : ' ');
     }
     if (lane >= MAX_LANES) g += ` [${c.branch}]`;
@@ -266,6 +267,7 @@ function renderTurns() {
       el('td', {}, c ? bytes(c.bytes) : '–'), el('td', {}, ms(c && c.durations ? c.durations.pause : null)));
   });
   replace('sb-turns', el('div', { class: 'card' }, el('h2', {}, `Turns (${turns.length})`),
+    state.sb.olderEvents ? el('p', { class: 'muted' }, 'older turns: crabd events --sandbox ' + state.sb.id) : '',
     pager(state.turnPage, turns.length, PAGE, (p) => { state.turnPage = p; renderTurns(); }),
     el('table', {}, el('thead', {}, el('tr', {}, ['ended', 'turn', 'branch', 'command', 'exit', 'duration', 'stall',
       'plan', 'reasons', 'bytes', 'pause'].map((c) => el('th', {}, c)))), el('tbody', {}, rows))));
@@ -382,11 +384,12 @@ function confirmFork(c) {
 }
 
 // ---- live: the event stream -----------------------------------------------------------------
-function onEvent(e) {
+function onEvent(e, backlog) {
   state.lastSeq = Math.max(state.lastSeq, e.seq);
   state.events.push(e);
   if (state.events.length > 500) state.events.splice(0, state.events.length - 500);
   soon('events', renderEvents, 100);
+  if (backlog) return;   // already in what the view loaded
   const r = state.route;
   if (r.view === 'host') soon('host', showHost, 300);
   else if (r.view === 'sandbox' && state.sb && (e.sandbox_id === state.sb.id || e.kind === 'sandbox.created'))
@@ -398,7 +401,7 @@ async function follow() {
     try {
       if (!state.lastSeq) {
         const p = await api('GET', '/v1/events?follow=false&latest=50');
-        for (const e of p.events) onEvent(e);
+        for (const e of p.events) onEvent(e, true);
         state.lastSeq = p.last_seq || 0;
       }
       const r = await fetch(`/v1/events?follow=true&since=${state.lastSeq}`, { headers: headers({ Accept: 'text/event-stream' }) });
