@@ -69,16 +69,15 @@ class TurnLoop(DaemonBase):
             # The time line's record of the turn (the checkpoint row has no
             # command): bounded, a command line can be megabytes.
             line = cmd if isinstance(cmd, str) else shlex.join(cmd)
-            ended = dict(turn=turn, checkpoint=ck.id, branch=row.branch, cmd=line[:TURN_CMD_MAX],
-                         cmd_truncated=len(line) > TURN_CMD_MAX,
-                         exit_code=res.exit_code if res is not None else None,
-                         error=error.code if error is not None else None,
-                         duration_s=round(res.duration if res is not None else wall, 4),
-                         stall_ms=round(stall * 1000, 3))
+            exit_code = res.exit_code if res is not None else None
+            duration = round(res.duration if res is not None else wall, 4)
 
             def bookkeeping() -> None:  # one thread hop for both writes
                 self._ledger_after_turn(row, turn, ck, effects, wall)
-                self.events.emit(EventKind.TURN_ENDED, row.id, **ended)
+                self.events.emit(EventKind.TURN_ENDED, row.id, turn=turn, checkpoint=ck.id, branch=row.branch,
+                                 cmd=line[:TURN_CMD_MAX], cmd_truncated=len(line) > TURN_CMD_MAX,
+                                 exit_code=exit_code, error=error.code if error is not None else None,
+                                 duration_s=duration, stall_ms=round(stall * 1000, 3))
 
             await asyncio.to_thread(bookkeeping)
             t.capture = asyncio.ensure_future(self._run_capture(row.id, ck))

@@ -38,7 +38,7 @@ from ..errors import NotFound
 if TYPE_CHECKING:
     from ..daemon import Daemon
 
-__all__ = ["mount", "host_summary", "rollback_preview", "send_see_login", "LOGIN_PATH", "PUBLIC", "COOKIE"]
+__all__ = ["mount", "host_summary", "preview_rollback", "send_see_login", "LOGIN_PATH", "PUBLIC", "COOKIE"]
 
 LOGIN_PATH = "/ui/login"
 #: What a request without a token may GET: the token form and its own two
@@ -118,7 +118,7 @@ def host_summary(daemon: Daemon, owner: str | None, jobs: tuple[list[Any], list[
     }
 
 
-def rollback_preview(daemon: Daemon, sid: str, checkpoint: str, owner: str | None) -> dict[str, Any]:
+def preview_rollback(daemon: Daemon, sid: str, checkpoint: str, owner: str | None) -> dict[str, Any]:
     """What `POST /v1/sandboxes/{sid}/rollback` to `checkpoint` would
     abandon (the checkpoints from the head back to where the target's line
     meets it) and the effects it would not undo: what the inspector saw
@@ -178,7 +178,7 @@ def mount(app: FastAPI, daemon: Daemon) -> None:
         return asset(name)
 
     @app.get("/v1/host")
-    async def host(request: Request) -> dict[str, Any]:
+    async def host_view(request: Request) -> dict[str, Any]:
         """The host at a glance (the operator view's host page): each sandbox the caller may see with its state,
         turns, branch, checkpoints, bytes, last plan and ready hot standby; the scheduler's queued and running
         jobs; stalls so far; checkpoints committed (and their bytes) over the last minute."""
@@ -187,7 +187,7 @@ def mount(app: FastAPI, daemon: Daemon) -> None:
         return await asyncio.to_thread(host_summary, daemon, owner, jobs)
 
     @app.get("/v1/sandboxes/{sid}/rollback/preview")
-    async def rollback_preview_(request: Request,
+    async def rollback_preview(request: Request,
                                 sid: str = PathParam(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
                                                      description="an id (or a sandbox's name)"),
                                 checkpoint: str = Query(..., max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
@@ -196,4 +196,4 @@ def mount(app: FastAPI, daemon: Daemon) -> None:
         """What a rollback to `checkpoint` would abandon (`lost`: checkpoints from the head back to the target's
         line) and which external effects it would not undo (`ledger`); changes nothing."""
         owner = request.scope.get("state", {}).get("crabd_owner")
-        return await asyncio.to_thread(rollback_preview, daemon, sid, checkpoint, owner)
+        return await asyncio.to_thread(preview_rollback, daemon, sid, checkpoint, owner)
