@@ -391,7 +391,7 @@ function onEvent(e, backlog) {
   soon('events', renderEvents, 100);
   if (backlog) return;   // already in what the view loaded
   const r = state.route;
-  if (r.view === 'host') soon('host', showHost, 300);
+  if (r.view === 'host') soon('host', showHost, 1000);   // one summary a second at most, however busy the host
   else if (r.view === 'sandbox' && state.sb && (e.sandbox_id === state.sb.id || e.kind === 'sandbox.created'))
     soon('sb', () => showSandbox(r.id), 300);
 }
