@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Query, Request
 from fastapi import Path as PathParam
-from fastapi.responses import RedirectResponse, Response
+from fastapi.responses import JSONResponse, RedirectResponse, Response
 
 from ..errors import NotFound
 
@@ -78,13 +78,18 @@ def _assets() -> dict[str, tuple[bytes, str]]:
 
 
 def host_summary(daemon: Daemon, owner: str | None, jobs: tuple[list[Any], list[Any]],
-                 now: float | None = None) -> dict[str, Any]:
+                 now: float | None = None, forks_of: str | None = None) -> dict[str, Any]:
     """The host view's data in one reply: every sandbox the owner may see
     with its checkpoint count, bytes, last plan and hot standby; the
     scheduler's (queued, running) `jobs`, read on the event loop that
-    changes them; stalls; checkpoints committed in the last minute."""
+    changes them; stalls; checkpoints committed in the last minute.
+    `forks_of`: only the sandboxes forked from that sandbox's checkpoints
+    (the sandbox view's fork links)."""
     now = time.time() if now is None else now
     rows = daemon.store.list_sandboxes(owner)
+    if forks_of is not None:
+        # A checkpoint id is <sandbox>-<seq>.
+        rows = [r for r in rows if r.forked_from and r.forked_from.rsplit("-", 1)[0] == forks_of]
     per, recent = daemon.store.checkpoint_totals(now - THROUGHPUT_WINDOW_S)
     standbys = getattr(daemon, "standbys", {})
     sandboxes = []
@@ -178,13 +183,19 @@ def mount(app: FastAPI, daemon: Daemon) -> None:
         return asset(name)
 
     @app.get("/v1/host")
-    async def host_view(request: Request) -> dict[str, Any]:
+    async def host_view(request: Request,
+                        forks_of: str | None = Query(None, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                                                     description="only the sandboxes forked from this sandbox")
+                        ) -> dict[str, Any]:
         """The host at a glance (the operator view's host page): each sandbox the caller may see with its state,
         turns, branch, checkpoints, bytes, last plan and ready hot standby; the scheduler's queued and running
         jobs; stalls so far; checkpoints committed (and their bytes) over the last minute."""
         owner = request.scope.get("state", {}).get("crabd_owner")
         jobs = (daemon.scheduler.queued(), daemon.scheduler.running())  # here: the loop's thread owns the queue
-        return await asyncio.to_thread(host_summary, daemon, owner, jobs)
+        out = await asyncio.to_thread(host_summary, daemon, owner, jobs, None, forks_of)
+        # Plain JSON: FastAPI's encoder walks 500 sandboxes' dicts value by
+        # value (hundreds of ms here); these are plain types already.
+        return JSONResponse(out)  # type: ignore[return-value]
 
     @app.get("/v1/sandboxes/{sid}/rollback/preview")
     async def rollback_preview(request: Request,

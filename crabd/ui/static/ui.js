@@ -166,11 +166,11 @@ function renderEvents() {
 async function loadSandbox(id) {
   const enc = encodeURIComponent(id);
   // All at once. The time line is the sandbox's newest events' turn.ended
-  // (one page: the API's largest); forks are found in the host summary.
+  // (one page: the API's largest); its forks come from the host summary.
   const [info, cks, budget, effects, host, evs] = await Promise.all([
     api('GET', `/v1/sandboxes/${enc}`), api('GET', `/v1/sandboxes/${enc}/checkpoints?all=true`),
     api('GET', `/v1/sandboxes/${enc}/budget`), api('GET', `/v1/sandboxes/${enc}/effects?lineage=true`),
-    api('GET', '/v1/host'), api('GET', `/v1/events?follow=false&sandbox=${enc}&latest=1000`)]);
+    api('GET', `/v1/host?forks_of=${enc}`), api('GET', `/v1/events?follow=false&sandbox=${enc}&latest=1000`)]);
   performance.mark('crabd:sandbox-data');
   const turns = evs.events.filter((e) => e.kind === 'turn.ended');
   const ids = new Set(cks.checkpoints.map((c) => c.id));
