@@ -21,7 +21,7 @@ function el(tag, attrs, ...kids) {
     else if (k.startsWith('on')) e.addEventListener(k.slice(2), v);
     else e.setAttribute(k, v === true ? '' : String(v));
   }
-  for (const k of kids.flat()) {
+  for (const k of kids.flat(Infinity)) {
     if (k === null || k === undefined || k === false) continue;
     e.append(k instanceof Node ? k : document.createTextNode(String(k)));
   }
@@ -96,8 +96,9 @@ function route() {
   document.getElementById('main').replaceChildren();  // a view builds its own sections
   const crumbs = document.getElementById('crumbs');
   crumbs.replaceChildren(link('#/', 'host'), m ? ' / ' : '', m ? el('span', {}, state.route.id) : '');
-  if (state.route.view === 'host') { state.hostPage = 0; showHost(); }
-  else { state.turnPage = 0; state.treeRows = TREE_PAGE; state.diff = null; showSandbox(state.route.id); }
+  if (state.route.view === 'host') { state.hostPage = 0; return showHost(); }
+  state.turnPage = 0; state.treeRows = TREE_PAGE; state.diff = null;
+  return showSandbox(state.route.id);
 }
 
 // ---- host view ----------------------------------------------------------------------------
@@ -233,7 +234,7 @@ function renderTree() {
     if (lane >= MAX_LANES) g += ` [${c.branch}]`;
     const p = c.parent && byId.get(c.parent);
     const split = p && p.branch !== c.branch ? `↰ branch ${c.branch} from #${p.seq}` : '';
-    const fk = (forksAt.get(c.id) || []).map((f) => link('#/sb/' + encodeURIComponent(f.id), '⑂ ' + f.name));
+    const fk = (forksAt.get(c.id) || []).map((f) => [' ', link('#/sb/' + encodeURIComponent(f.id), 'fork → ' + f.name)]);
     const done = c.state === 'committed';
     return el('tr', { class: (c.id === head ? 'head ' : '') + (onHead.has(c.id) ? '' : 'gone'), 'data-checkpoint': c.id },
       el('td', { class: 'gutter' }, g), el('td', {}, '#' + c.seq), el('td', {}, c.id === head ? (state.sb.info.branch !== c.branch ? `★ head → b${state.sb.info.branch}` : '★ head') : ''),
@@ -427,4 +428,5 @@ async function follow() {
 }
 
 window.addEventListener('hashchange', route);
-window.addEventListener('DOMContentLoaded', () => { route(); follow(); });
+// The stream starts once the first view is drawn: its backlog would compete with the view's data.
+window.addEventListener('DOMContentLoaded', () => { route().finally(follow); });
