@@ -29,6 +29,9 @@ from .errors import CrabdError, ExecTimeout, InvalidArgument, NotFound, from_lib
 from .images import NAME_PATTERN
 from .runtime import Limits
 from .store import EVENTS_MAX_PAGE
+from .ui import COOKIE as UI_COOKIE
+from .ui import PUBLIC as UI_PUBLIC
+from .ui import send_see_login
 
 __all__ = ["make_app"]
 
@@ -157,7 +160,12 @@ class _Guard:
 
     Body size: at most MAX_BODY bytes, read as it arrives (chunked bodies
     too, which carry no Content-Length) and answered 413 at the first byte
-    over, never buffered whole beyond the limit."""
+    over, never buffered whole beyond the limit.
+
+    The operator view (crabd.ui): a GET under /ui/ may carry the token in
+    the `crabd_token` cookie instead (a browser's navigation sends no
+    header), and is sent to /ui/login without one; /ui/login itself, a form
+    with no data, and its two files need none (crabd.ui.PUBLIC)."""
 
     def __init__(self, app: Any, token: str | None = None, tokens: dict[str, str] | None = None) -> None:
         self.app = app
@@ -185,8 +193,15 @@ class _Guard:
         over_tcp = isinstance(server, (tuple, list)) and len(server) == 2 and isinstance(server[1], int)
         auth = headers.get("authorization")
         owner: str | None = None
-        if over_tcp or auth is not None:
+        path, method = scope.get("path", ""), scope.get("method")
+        if auth is None and method in ("GET", "HEAD") and path.startswith("/ui"):
+            auth = _cookie_bearer(headers.get("cookie", ""))  # a page's navigation sends no header (crabd.ui)
+        if over_tcp and auth is None and method == "GET" and path in UI_PUBLIC:
+            pass  # the token form and its files: no data (crabd.ui)
+        elif over_tcp or auth is not None:
             ok, owner = self._owner(auth or "")
+            if not ok and method == "GET" and path.startswith("/ui"):
+                return await send_see_login(send)
             if not ok:
                 return await _send_error(send, 401, "unauthenticated", "missing or wrong bearer token",
                                          "send Authorization: Bearer <a token of crabd's token_file or tokens_file>")
@@ -221,6 +236,16 @@ class _Guard:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+def _cookie_bearer(cookie: str) -> str | None:
+    """`Bearer T` for a `crabd_token=T` cookie, else None."""
+    for part in cookie.split(";"):
+        k, _, v = part.strip().partition("=")
+        if k == UI_COOKIE and v:
+            from urllib.parse import unquote
+            return "Bearer " + unquote(v)
+    return None
 
 
 def _owner(request: Request) -> str | None:
@@ -476,6 +501,8 @@ def make_app(daemon: Daemon, *, token: str | None = None, tokens: dict[str, str]
 
     from .api_effects import make_router as effects_router
     app.include_router(effects_router(daemon))  # effects ledger and budgets
+    from .ui import mount as mount_ui
+    mount_ui(app, daemon)  # the operator view (/ui) and its two read-only endpoints
 
     @app.get("/v1/health")
     async def health() -> dict[str, Any]:

@@ -450,6 +450,43 @@ def events(sandbox: Optional[str] = typer.Option(None, "--sandbox"), follow: boo
             return
 
 
+@app.command()
+def ui(port: int = typer.Option(0, "--port", help="local TCP port (0: a free one)"),
+       host: str = typer.Option("127.0.0.1", "--host", help="address to listen on; keep it local"),
+       token_file: Optional[Path] = typer.Option(None, "--token-file",
+                                                 help="act as this owner (a token of crabd's tokens_file)"),
+       socket: Optional[Path] = SocketOpt) -> None:
+    """Open the operator view: a local port forwarded to the daemon's socket.
+    Prints the URL to open (its #token= part is this session's key); runs
+    until Ctrl-C. From another machine: ssh -L 8080:127.0.0.1:PORT HOST."""
+    import asyncio
+    from .ui.forward import Forwarder
+
+    c = _client(socket)
+    _guard(c.health, False)  # a daemon answers there, or say how to start one
+    bearer = _guard(lambda: _read_token(token_file), False) if token_file else None
+
+    async def run() -> None:
+        f = Forwarder(str(c.socket), host=host, port=port, bearer=bearer)
+        await f.start()
+        out.print(f"crabd operator view: {f.url}", highlight=False, soft_wrap=True)
+        err.print(f"forwarding {host}:{f.port} -> {c.socket}; Ctrl-C to stop", highlight=False)
+        await asyncio.Event().wait()
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        pass
+
+
+def _read_token(path: Path) -> str:
+    from .errors import FailedPrecondition
+    try:
+        return path.read_text().strip()
+    except OSError as e:
+        raise FailedPrecondition(f"cannot read {path}: {e}", fix="pass a file that holds one token") from e
+
+
 # --- effects ledger and budgets (crabd/effects.py) -----------------------------------------
 effects_app = typer.Typer(no_args_is_help=True, help="Effects ledger: external calls made replay-safe.")
 budget_app = typer.Typer(no_args_is_help=True, help="Budgets per sandbox lineage: turns, wall time, cost, retries.")

@@ -553,6 +553,24 @@ class Store:
         """Events after `seq`, oldest first (at most `limit`)."""
         return self.events_page(since=seq, sandbox_id=sandbox_id, limit=limit)[0]
 
+    def checkpoint_totals(self, since: float) -> tuple[dict[str, dict[str, Any]], dict[str, float]]:
+        """Per sandbox: committed checkpoints, their bytes and the newest
+        checkpoint's plan; and host-wide, the checkpoints committed since
+        `since` (a time) and their bytes. One pass over the table, for the
+        operator view's host summary (not one query per sandbox)."""
+        # `plan` is a bare column beside the one MAX(): SQLite takes it from
+        # the row with the greatest seq (documented for min/max aggregates).
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT sandbox_id, MAX(seq) AS last, plan, SUM(state='committed') AS n, "
+                "SUM(CASE WHEN state='committed' THEN bytes ELSE 0 END) AS bytes, "
+                "SUM(state='committed' AND created_at >= ?) AS rn, "
+                "SUM(CASE WHEN state='committed' AND created_at >= ? THEN bytes ELSE 0 END) AS rb "
+                "FROM checkpoints WHERE state IN ('committed','pending') GROUP BY sandbox_id",
+                (since, since)).fetchall()
+        out = {r["sandbox_id"]: {"checkpoints": r["n"], "bytes": r["bytes"] or 0, "last_plan": r["plan"]} for r in rows}
+        return out, {"checkpoints": sum(r["rn"] for r in rows), "bytes": sum(r["rb"] or 0 for r in rows)}
+
     def events_page(self, *, since: int = 0, before: int | None = None, sandbox_id: str | None = None,
                     owner: str | None = None, limit: int = EVENTS_MAX_PAGE,
                     newest_first: bool = False) -> tuple[list[Event], bool]:

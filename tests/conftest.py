@@ -72,6 +72,8 @@ FEATURES: dict[str, tuple[Callable[[], bool], str, str]] = {
                 "systemd-analyze / systemd-tmpfiles not found", "apt-get install systemd"),
     "busybox": (lambda: _image("busybox", "busybox") and Path("/bin/busybox").exists(),
                 "the busybox test image is not cached and /bin/busybox is missing", SETUP + " (installs busybox-static)"),
+    "browser": (lambda: shutil.which("chromium") is not None and importlib.util.find_spec("playwright") is not None,
+                "Debian's chromium or the playwright package is missing", SETUP + " (installs chromium)"),
     "debian-py": (lambda: _image("debian-py", "debootstrap"),
                   f"the debian-py test image is not in {TEST_STATE}/images and debootstrap is missing", SETUP),
 }

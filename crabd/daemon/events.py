@@ -34,6 +34,8 @@ class EventKind(str, Enum):
     SANDBOX_RECOVERY_FAILED = "sandbox.recovery_failed"
     SANDBOX_RECOVERY_FALLBACK = "sandbox.recovery_fallback"
     SANDBOX_RECOVERY_GAVE_UP = "sandbox.recovery_gave_up"
+    # turns
+    TURN_ENDED = "turn.ended"                    # an exec's command, exit and duration (the time line)
     # checkpoints
     CHECKPOINT_COMMITTED = "checkpoint.committed"
     CHECKPOINT_SIZED = "checkpoint.sized"

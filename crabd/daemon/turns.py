@@ -14,6 +14,7 @@ capture); everything that blocks runs in worker threads.
 from __future__ import annotations
 
 import asyncio
+import shlex
 import sqlite3
 import time
 from typing import Any, Sequence
@@ -22,11 +23,15 @@ from ..errors import CrabdError, NotFound, SandboxNotRunning
 from ..runtime import pid_alive
 from ..store import CheckpointRow, SandboxRow
 from .base import DaemonBase, Turns
+from .events import EventKind
 from .names import checkpoint_id
 from .plans import DIED_REASON, save_everything
 from .space import is_disk_full
 
 __all__ = ["TurnLoop"]
+
+#: Characters of a command line kept in its turn.ended event.
+TURN_CMD_MAX = 2000
 
 
 class TurnLoop(DaemonBase):
@@ -60,7 +65,21 @@ class TurnLoop(DaemonBase):
             t.last_end = time.monotonic()
             died = t.init_pid is not None and not pid_alive(t.init_pid)
             ck = await asyncio.to_thread(self._open_checkpoint, row, turn, effects, died=died, blind=t.blind)
-            await asyncio.to_thread(self._ledger_after_turn, row, turn, ck, effects, time.monotonic() - t_exec)
+            wall = time.monotonic() - t_exec
+            # The time line's record of the turn (the checkpoint row has no
+            # command): bounded, a command line can be megabytes.
+            line = cmd if isinstance(cmd, str) else shlex.join(cmd)
+            exit_code = res.exit_code if res is not None else None
+            duration = round(res.duration if res is not None else wall, 4)
+
+            def bookkeeping() -> None:  # one thread hop for both writes
+                self._ledger_after_turn(row, turn, ck, effects, wall)
+                self.events.emit(EventKind.TURN_ENDED, row.id, turn=turn, checkpoint=ck.id, branch=row.branch,
+                                 cmd=line[:TURN_CMD_MAX], cmd_truncated=len(line) > TURN_CMD_MAX,
+                                 exit_code=exit_code, error=error.code if error is not None else None,
+                                 duration_s=duration, stall_ms=round(stall * 1000, 3))
+
+            await asyncio.to_thread(bookkeeping)
             t.capture = asyncio.ensure_future(self._run_capture(row.id, ck))
             self.metrics.stall.observe(stall)
             self.metrics.turns.labels(plan=ck.plan).inc()

@@ -38,6 +38,8 @@ KINDS_BEFORE = {
     "sandbox.rolled_back", "sandbox.thawed", "standby.failed", "standby.ready", "standby.skipped",
     # made from the ledger's decision or outcome: f"effect.{decision}", f"effect.{state}"
     "effect.replay", "effect.ask", "effect.reconcile", "effect.committed", "effect.failed", "effect.reconciled",
+    # added since: the operator view's time line (issue 20)
+    "turn.ended",
 }
 
 

@@ -1,0 +1,209 @@
+#!/usr/bin/env python3
+"""The operator view at scale, in a real browser: 500 sandboxes, 10,000 checkpoints, a 1,000-turn tree.
+
+    crabd bench ui [--quick] [--json] [--sandboxes N] [--checkpoints N] [--big-turns N] [--runs N]
+
+The data is synthesised straight into a fresh state directory's SQLite
+through crabd.store.Store (sandbox rows, committed checkpoint rows with
+plans, bytes, pauses and a few rollback branches, and the big sandbox's
+turn.ended events): no containers exist behind them, so a real daemon
+(`crabd serve`, /proc inspector, retention set to keep everything) starts on
+that state directory, marks them dead ("runtime state is gone") and serves
+them. The browser is Debian's Chromium driven by Playwright, through
+`crabd ui`'s forwarder, as an operator would open it.
+
+Measured per run, on a fresh page load each (the median of --runs):
+* `host_ms`: navigation start until the host view (stats + the first page of
+  the sandbox table) is rendered, the page's own `crabd:host-rendered` mark;
+* `sandbox_ms`: the same for the big sandbox's view (tree, time line,
+  effects, budget): `crabd:sandbox-rendered`;
+* `tree_all_ms`: rendering every row of the big sandbox's tree at once
+  (the page shows 200 and pages in more; this is the worst case);
+* `longest_task_ms`: the longest main-thread task the browser reported
+  (PerformanceObserver `longtask`) over both loads: how long the page froze.
+Also the API's own times for the two biggest replies (`/v1/host`, the big
+sandbox's checkpoints). `--quick`: one run. Needs root and chromium.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["parser", "main", "synthesise"]
+
+_LONGTASKS = """
+window.__longtasks = [];
+try {
+  new PerformanceObserver((l) => { for (const e of l.getEntries()) window.__longtasks.push(e.duration); })
+    .observe({ type: 'longtask', buffered: true });
+} catch (_) {}
+"""
+
+
+def synthesise(state: Path, sandboxes: int, checkpoints: int, big_turns: int, seed: int = 1) -> str:
+    """Fill `state`'s store; returns the big sandbox's id. Every sandbox has
+    at least its initial checkpoint; the big one `big_turns` turns with a
+    rollback every 100 turns; the rest share what remains of `checkpoints`."""
+    from crabd.store import CheckpointRow, SandboxRow, Store
+    rng = random.Random(seed)
+    st = Store(state)
+    plans = ["SKIP", "SKIP", "SKIP", "FS", "FS", "FS_PROC"]
+    big = "sb-big000000"
+    rest = max(0, checkpoints - (big_turns + 1))
+    per = [1 + rest // max(1, sandboxes - 1) - 1] * (sandboxes - 1)
+    for i in range(rest - sum(per)):
+        per[i % len(per)] += 1
+    with st.transaction():
+        for i in range(sandboxes):
+            sid = big if i == 0 else f"sb-{i:010x}"
+            turns = big_turns if i == 0 else per[i - 1]
+            st.add_sandbox(SandboxRow(id=sid, name=f"agent-{i:03d}" if i else "big-tree", image="debian-py",
+                                      fs_key=f"root-{sid}", lineage=sid, owner="", state="running", turn=turns,
+                                      next_seq=turns + 1))
+            parent, branch = None, 0
+            ids: list[str] = []
+            for seq in range(turns + 1):
+                if i == 0 and seq and seq % 100 == 0:   # a rollback 50 turns back: a new branch
+                    branch += 1
+                    parent = ids[seq - 50]
+                p = plans[rng.randrange(len(plans))] if seq else "FS"
+                cid = f"{sid}-{seq}"
+                st.add_checkpoint(CheckpointRow(
+                    id=cid, sandbox_id=sid, seq=seq, parent=parent, branch=branch, turn=seq, plan=p,
+                    reasons=[f"synthetic {p} turn"], fs_snapshot=f"{sid}-{seq}" if p != "SKIP" else None,
+                    bytes=0 if p == "SKIP" else rng.randrange(4096, 64 << 20), state="committed",
+                    durations={"pause": rng.uniform(0.001, 0.05)}))
+                ids.append(cid)
+                parent = cid
+            st.update_sandbox(sid, head=parent, branch=branch)
+    for seq in range(1, big_turns + 1):
+        st.add_event("turn.ended", big, turn=seq, checkpoint=f"{big}-{seq}", branch=seq // 100,
+                     cmd=f"python -m pytest -q tests/test_{seq % 37}.py -k case_{seq}", cmd_truncated=False,
+                     exit_code=1 if seq % 7 == 0 else 0, error=None, duration_s=rng.uniform(0.05, 5), stall_ms=0.0)
+    st.close()
+    return big
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    from playwright.sync_api import sync_playwright
+
+    from crabd.testing import DaemonHandle, cleanup_state_dir
+    from crabd.ui.forward import Forwarder
+    exe = shutil.which("chromium")
+    if exe is None:
+        raise SystemExit("bench ui: Debian's chromium is missing (scripts/setup-host installs it)")
+    state = Path(tempfile.mkdtemp(prefix="crabd-bench-ui-", dir="/var/tmp"))
+    conf = state / "bench-ui.toml"
+    t0 = time.monotonic()
+    big = synthesise(state, a.sandboxes, a.checkpoints, a.big_turns)
+    synth_s = time.monotonic() - t0
+    conf.write_text("[retention]\nkeep_last = 1000000\n")   # nothing retired while measuring
+    d = DaemonHandle(state, args=["--config", str(conf), "--no-auto-rollback", "--no-docker"],
+                     env={"CRABD_INSPECTOR": "proc"})
+    loop = asyncio.new_event_loop()
+    fwd = Forwarder(str(d.socket))
+    try:
+        d.start(wait_inspector=False)
+        loop.run_until_complete(fwd.start())
+        threading.Thread(target=loop.run_forever, daemon=True).start()
+        c = d.client()
+        api: dict[str, list[float]] = {"host": [], "checkpoints": []}
+        for _ in range(max(1, a.runs)):
+            t = time.monotonic()
+            r = c._http.get("/v1/host")
+            assert r.status_code == 200, r.text
+            n = len(r.json()["sandboxes"])
+            api["host"].append((time.monotonic() - t) * 1000)
+            t = time.monotonic()
+            m = len(c._http.get(f"/v1/sandboxes/{big}/checkpoints?all=true").json()["checkpoints"])
+            api["checkpoints"].append((time.monotonic() - t) * 1000)
+        assert n == a.sandboxes and m == a.big_turns + 1, (n, m)
+        runs: list[dict[str, float]] = []
+        base = fwd.url.split("/ui/login")[0]
+        with sync_playwright() as pw:
+            b = pw.chromium.launch(executable_path=exe, args=["--no-sandbox"])
+            for _ in range(max(1, a.runs)):
+                ctx = b.new_context(viewport={"width": 1400, "height": 900}, bypass_csp=True)  # the probes are evaluated JS
+                ctx.add_init_script(_LONGTASKS)
+                pg = ctx.new_page()
+                pg.set_default_timeout(60_000)
+                pg.goto(fwd.url)
+                pg.wait_for_function("performance.getEntriesByName('crabd:host-rendered').length > 0")
+                host_ms = pg.evaluate("performance.getEntriesByName('crabd:host-rendered')[0].startTime")
+                host_data = pg.evaluate("performance.getEntriesByName('crabd:host-data')[0].startTime")
+                rows = pg.locator("#host-table tbody tr").count()
+                tasks = pg.evaluate("window.__longtasks")
+                pg.goto(f"{base}/ui/#/sb/{big}")
+                pg.reload()   # a fresh load of the sandbox view itself
+                pg.wait_for_function("performance.getEntriesByName('crabd:sandbox-rendered').length > 0")
+                sb_ms = pg.evaluate("performance.getEntriesByName('crabd:sandbox-rendered')[0].startTime")
+                sb_data = pg.evaluate("performance.getEntriesByName('crabd:sandbox-data')[0].startTime")
+                tree_rows = pg.locator("#sb-tree tbody tr").count()
+                tree_all = pg.evaluate("(() => { const t = performance.now(); state.treeRows = 1e9; renderTree();"
+                                       " return performance.now() - t; })()")
+                all_rows = pg.locator("#sb-tree tbody tr").count()
+                tasks += pg.evaluate("window.__longtasks")
+                runs.append({"host_ms": host_ms, "host_data_ms": host_data, "host_render_ms": host_ms - host_data,
+                             "sandbox_ms": sb_ms, "sandbox_data_ms": sb_data, "sandbox_render_ms": sb_ms - sb_data,
+                             "tree_all_ms": tree_all,
+                             "longest_task_ms": max(tasks) if tasks else 0.0, "host_rows": rows,
+                             "tree_rows_first": tree_rows, "tree_rows_all": all_rows})
+                ctx.close()
+            b.close()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        d.stop()
+        cleanup_state_dir(state)
+    med = {k: round(statistics.median(r[k] for r in runs), 1) for k in runs[0]}
+    return {"bench": "ui", "config": {"sandboxes": a.sandboxes, "checkpoints": a.checkpoints,
+                                      "big_turns": a.big_turns, "runs": len(runs), "quick": a.quick,
+                                      "data": "synthesised into the state dir's SQLite (crabd.store.Store)"},
+            "host": {"machine": platform.node(), "cpus": os.cpu_count(), "chromium": exe},
+            "synthesise_s": round(synth_s, 2),
+            "api_ms": {k: round(statistics.median(v), 1) for k, v in api.items()},
+            "median": med, "runs": runs,
+            "within_1s": med["host_ms"] < 1000 and med["sandbox_ms"] < 1000}
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench.ui", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="one run (default: 3)")
+    ap.add_argument("--runs", type=int, help="page loads measured (default 3, --quick 1)")
+    ap.add_argument("--sandboxes", type=int, default=500)
+    ap.add_argument("--checkpoints", type=int, default=10_000, help="checkpoints in all, the big sandbox's included")
+    ap.add_argument("--big-turns", type=int, default=1000, help="turns of the one big sandbox")
+    ap.add_argument("--json", action="store_true", help="print the result as JSON")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    a.runs = a.runs or (1 if a.quick else 3)
+    r = run(a)
+    if a.json:
+        print(json.dumps(r, indent=1))
+    else:
+        m = r["median"]
+        print(f"{a.sandboxes} sandboxes, {a.checkpoints} checkpoints, a {a.big_turns}-turn tree "
+              f"(median of {a.runs}): host view {m['host_ms']:.0f} ms, sandbox view {m['sandbox_ms']:.0f} ms, "
+              f"whole tree {m['tree_all_ms']:.0f} ms, longest task {m['longest_task_ms']:.0f} ms; "
+              f"API /v1/host {r['api_ms']['host']:.0f} ms")
+    return 0 if r["within_1s"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

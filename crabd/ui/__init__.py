@@ -1,0 +1,210 @@
+"""The operator view: a web page at /ui on the API's own listeners.
+
+Place in the design: a front door beside the CLI and the Python client. It
+holds no state and talks to the daemon only through the REST API and the
+event stream, with the caller's own token: what the page may show and do is
+exactly what that token may through the API (an owner sees its own
+sandboxes). The page is static HTML, CSS and vanilla JS shipped in the
+package (`static/`); nothing is fetched from elsewhere at run time.
+
+Auth (crabd.api._Guard): the shell's files are requests like any other, and
+a browser's navigation cannot carry an `Authorization` header, so for GET
+requests under /ui/ the guard also takes the token from the `crabd_token`
+cookie, which `/ui/login` (the one page served without a token: a form, no
+data; it and its two files are all that is served without a token) sets
+from the URL's fragment. Every API call of the page sends the
+token as a bearer header; a cookie never authorises a change (no CSRF).
+
+Two read-only endpoints are added for the page, both owner-scoped:
+`GET /v1/host` (sandboxes summarised in one pass, the scheduler's queue,
+stalls and checkpoint throughput) and `GET /v1/sandboxes/{sid}/rollback/preview`
+(what a rollback to a checkpoint abandons and which effects it does not undo,
+computed as the rollback itself does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from importlib import resources
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Query, Request
+from fastapi import Path as PathParam
+from fastapi.responses import JSONResponse, RedirectResponse, Response
+
+from ..errors import NotFound
+
+if TYPE_CHECKING:
+    from ..daemon import Daemon
+
+__all__ = ["mount", "host_summary", "preview_rollback", "send_see_login", "LOGIN_PATH", "PUBLIC", "COOKIE"]
+
+LOGIN_PATH = "/ui/login"
+#: What a request without a token may GET: the token form and its own two
+#: files (code and style, no data). Everything else needs the token.
+PUBLIC = frozenset({LOGIN_PATH, "/ui/static/login.js", "/ui/static/ui.css"})
+COOKIE = "crabd_token"
+#: Seconds over which the host's checkpoint throughput is summed.
+THROUGHPUT_WINDOW_S = 60.0
+
+# The page runs only its own files: no inline script, no other origin.
+_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                               "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
+          ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml", ".png": "image/png"}
+
+
+async def send_see_login(send: Any) -> None:
+    """ASGI: a 303 to the token form (a page's GET without a valid token)."""
+    await send({"type": "http.response.start", "status": 303,
+                "headers": [(b"location", LOGIN_PATH.encode()), (b"content-length", b"0")]})
+    await send({"type": "http.response.body", "body": b""})
+
+
+def _assets() -> dict[str, tuple[bytes, str]]:
+    """The shipped files by name (read once: a request never names a path)."""
+    out = {}
+    for f in resources.files(__name__).joinpath("static").iterdir():
+        suffix = "." + f.name.rsplit(".", 1)[-1]
+        if f.is_file() and suffix in _TYPES:
+            out[f.name] = (f.read_bytes(), _TYPES[suffix])
+    return out
+
+
+def host_summary(daemon: Daemon, owner: str | None, jobs: tuple[list[Any], list[Any]],
+                 now: float | None = None, forks_of: str | None = None) -> dict[str, Any]:
+    """The host view's data in one reply: every sandbox the owner may see
+    with its checkpoint count, bytes, last plan and hot standby; the
+    scheduler's (queued, running) `jobs`, read on the event loop that
+    changes them; stalls; checkpoints committed in the last minute.
+    `forks_of`: only the sandboxes forked from that sandbox's checkpoints
+    (the sandbox view's fork links)."""
+    now = time.time() if now is None else now
+    rows = daemon.store.list_sandboxes(owner)
+    if forks_of is not None:
+        # A checkpoint id is <sandbox>-<seq>.
+        rows = [r for r in rows if r.forked_from and r.forked_from.rsplit("-", 1)[0] == forks_of]
+    per, recent = daemon.store.checkpoint_totals(now - THROUGHPUT_WINDOW_S)
+    standbys = getattr(daemon, "standbys", {})
+    sandboxes = []
+    for r in rows:
+        t = per.get(r.id, {})
+        sb = standbys.get(r.id)
+        sandboxes.append({
+            "id": r.id, "name": r.name, "image": r.image, "owner": r.owner, "state": r.state, "turn": r.turn,
+            "branch": r.branch, "head": r.head, "forked_from": r.forked_from, "created_at": r.created_at,
+            "checkpoints": t.get("checkpoints", 0), "bytes": t.get("bytes", 0), "last_plan": t.get("last_plan"),
+            "standby": sb.checkpoint if sb is not None else None})
+    mine = {r.id for r in rows}
+
+    def listed(js: list[Any]) -> list[dict[str, Any]]:
+        # Another owner's jobs are counted, never named.
+        return [{"kind": getattr(j.kind, "value", str(j.kind)),
+                 "sandbox_id": j.sandbox_id if owner is None or j.sandbox_id in mine else None,
+                 "size_bytes": j.size_bytes} for j in js]
+
+    reg = daemon.metrics.registry
+    stall_n = reg.get_sample_value("crabd_stall_seconds_count") or 0.0
+    stall_s = reg.get_sample_value("crabd_stall_seconds_sum") or 0.0
+    # Stalls over 0: the histogram's first bucket (le=0.0) holds the turns that did not wait.
+    no_wait = reg.get_sample_value("crabd_stall_seconds_bucket", {"le": "0.0"}) or 0.0
+    return {
+        "now": now, "sandboxes": sandboxes,
+        "scheduler": {"queued": listed(jobs[0]), "running": listed(jobs[1]),
+                      "max_concurrency": daemon.scheduler.policy.max_concurrency},
+        "stalls": {"turns": int(stall_n), "stalled": int(stall_n - no_wait), "total_s": round(stall_s, 4)},
+        "throughput": {"window_s": THROUGHPUT_WINDOW_S, **recent},
+    }
+
+
+def preview_rollback(daemon: Daemon, sid: str, checkpoint: str, owner: str | None) -> dict[str, Any]:
+    """What `POST /v1/sandboxes/{sid}/rollback` to `checkpoint` would
+    abandon (the checkpoints from the head back to where the target's line
+    meets it) and the effects it would not undo: what the inspector saw
+    leave the sandbox on that stretch, and the ledger's effects, both as
+    the rollback's reply reports them. Changes nothing."""
+    row = daemon._own(daemon.store.get_sandbox(sid), owner)
+    ck = daemon.resolve_checkpoint(row.id, checkpoint)
+    keep: set[str] = set()
+    cid: str | None = ck.id
+    while cid and cid not in keep:
+        keep.add(cid)
+        try:
+            cid = daemon.store.get_checkpoint(cid).parent
+        except NotFound:
+            break
+    lost: list[dict[str, Any]] = []
+    cid = row.head
+    while cid and cid not in keep:
+        try:
+            c = daemon.store.get_checkpoint(cid)
+        except NotFound:
+            break
+        lost.append({"id": c.id, "seq": c.seq, "turn": c.turn, "branch": c.branch, "plan": c.plan})
+        cid = c.parent
+    return {"sandbox": row.id, "checkpoint": ck.id, "turn": ck.turn, "head": row.head,
+            "lost": lost, "effects_not_undone": daemon._effects_after(row.head, ck.id),
+            "ledger": daemon._ledger_report(row.id, row, ck)}
+
+
+def mount(app: FastAPI, daemon: Daemon) -> None:
+    """Add /ui (the page), /ui/login, /ui/static/NAME and the two read-only
+    endpoints to the API."""
+    assets = _assets()
+
+    def asset(name: str) -> Response:
+        try:
+            body, ctype = assets[name]
+        except KeyError:
+            raise NotFound(f"no file {name!r} in the operator view",
+                           fix="open /ui/; the page loads its own files") from None
+        return Response(body, media_type=ctype, headers=_HEADERS)
+
+    @app.get("/ui", include_in_schema=False)
+    async def ui_root() -> Response:
+        return RedirectResponse("/ui/", status_code=307)
+
+    @app.get("/ui/", include_in_schema=False)
+    async def ui_index() -> Response:
+        return asset("index.html")
+
+    @app.get(LOGIN_PATH, include_in_schema=False)
+    async def ui_login() -> Response:
+        return asset("login.html")
+
+    @app.get("/ui/static/{name}", include_in_schema=False)
+    async def ui_static(name: str) -> Response:
+        return asset(name)
+
+    @app.get("/v1/host")
+    async def host_view(request: Request,
+                        forks_of: str | None = Query(None, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                                                     description="only the sandboxes forked from this sandbox")
+                        ) -> dict[str, Any]:
+        """The host at a glance (the operator view's host page): each sandbox the caller may see with its state,
+        turns, branch, checkpoints, bytes, last plan and ready hot standby; the scheduler's queued and running
+        jobs; stalls so far; checkpoints committed (and their bytes) over the last minute."""
+        owner = request.scope.get("state", {}).get("crabd_owner")
+        jobs = (daemon.scheduler.queued(), daemon.scheduler.running())  # here: the loop's thread owns the queue
+        out = await asyncio.to_thread(host_summary, daemon, owner, jobs, None, forks_of)
+        # Plain JSON: FastAPI's encoder walks 500 sandboxes' dicts value by
+        # value (hundreds of ms here); these are plain types already.
+        return JSONResponse(out)  # type: ignore[return-value]
+
+    @app.get("/v1/sandboxes/{sid}/rollback/preview")
+    async def rollback_preview(request: Request,
+                                sid: str = PathParam(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+                                                     description="an id (or a sandbox's name)"),
+                                checkpoint: str = Query(..., max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                                                        description="checkpoint id or sequence number")
+                                ) -> dict[str, Any]:
+        """What a rollback to `checkpoint` would abandon (`lost`: checkpoints from the head back to the target's
+        line) and which external effects it would not undo (`ledger`); changes nothing."""
+        owner = request.scope.get("state", {}).get("crabd_owner")
+        return await asyncio.to_thread(preview_rollback, daemon, sid, checkpoint, owner)
