@@ -6,7 +6,7 @@ the test image, five variants per test, the report); its pure parts (the
 catalogue, .desc parsing) are unit-tested from here.
 
     python -m bench.zdtm [--quick] [--tests a,b,c] [--json] [--out DIR] [--jobs N]
-                         [--variants native,dump_continue,auto_recovery,rollback,fork]
+                         [--variants native,dump_continue,auto_recovery,rollback,fork] [--share]
     python -m bench.zdtm --build-only [--tests a,b,c]
     (or: crabd bench zdtm ...)
 
@@ -43,6 +43,11 @@ as uid 18943 unless its .desc says `suid`, in a fresh sandbox per variant:
                    the `true` turn's checkpoint, SIGTERM
     fork           start, `true`, fork of the `true` checkpoint, SIGTERM in
                    the fork
+
+With --share (CI: tests/integration/test_zdtm.py), fork, dump_continue
+and rollback run in that order on one sandbox, each with its own verdict:
+start, `true`, fork (SIGTERM in the fork), SIGTERM in the sandbox
+(dump_continue), rollback to the `true` checkpoint and SIGTERM.
 
 A variant passes when the verdict is PASS and the process really came back
 (the checkpoint holds a process image; the rollback reply says `fs+proc`).
@@ -97,6 +102,11 @@ VARIANTS = ("native", "dump_continue", "auto_recovery", "rollback", "fork")
 # Where the tests live in the image, and where they run (writable by uid 18943).
 IMAGE_DIR = "/zdtm"
 RUN_DIR = "/zdtm-run"
+# Writable by every uid, as zdtm.py makes its test dir (`| 0o222`), and not
+# sticky: a `suid` test starts as root, creates its output file, drops to
+# uid 18943 (mlock_setuid) and renames that file at exit, which a sticky
+# dir refuses to a uid that owns neither the file nor the dir.
+RUN_DIR_MODE = 0o777
 # zdtm.py's ids for non-suid tests ("numbers should match those in criu").
 UNPRIVILEGED_ENV = {"ZDTM_UID": "18943", "ZDTM_GID": "58467", "ZDTM_GROUPS": "27495 48244"}
 # Why tests run as root by default: CRIU reads every task's rlimits with
@@ -107,6 +117,8 @@ UPSTREAM_UID_NOTE = "--upstream-uid: every dump fails here on prlimit (no CAP_SY
 # Per-step hang guards (s): one hung test must not hang the run.
 STEP_TIMEOUT = 90.0
 VERDICT_WAIT = 30.0
+# --share: these variants run one after the other on one sandbox (CI).
+SHARED = ("fork", "dump_continue", "rollback")
 
 # --quick: pipes, unix sockets, timers, signals, mappings, fds, a zombie.
 # The failures issue 15 reports (point 2 fixes them).
@@ -275,6 +287,18 @@ class Outcome:
     seconds: float = 0.0
 
 
+def native_failure(t: ZdtmTest, reason: str) -> str:
+    """The host_limited reason of a test that fails natively. Pure. A
+    `reqrst` test is one upstream runs only with a dump and restore, with
+    its own CRIU options (socket-tcp-close0: `--tcp-close`, which closes the
+    connections crabd restores open): its check may need them."""
+    if "reqrst" in t.flags:
+        opts = " ".join(t.criu_opts) or "none"
+        return (f"reqrst: upstream runs it only with a restore, with its CRIU options ({opts}); "
+                f"natively it fails: {reason}")
+    return f"fails natively in a crabd sandbox: {reason}"
+
+
 def summarize(tests: list[ZdtmTest], outcomes: list[Outcome]) -> dict[str, Any]:
     """The JSON of `crabd bench zdtm --json`; pass counts are over the tests
     that pass natively. A test that fails natively is host_limited (the
@@ -290,7 +314,7 @@ def summarize(tests: list[ZdtmTest], outcomes: list[Outcome]) -> dict[str, Any]:
         if o.ok:
             native_ok.append(t.name)
         else:
-            limited.append({"test": t.name, "reason": f"fails natively in a crabd sandbox: {o.reason}"})
+            limited.append({"test": t.name, "reason": native_failure(t, o.reason)})
     variants = {v: {"pass": sum(1 for n in native_ok if (o := by.get((n, v))) is not None and o.ok),
                     "run": sum(1 for n in native_ok if (n, v) in by)} for v in VARIANTS[1:]}
     failures = [{"test": o.test, "variant": o.variant, "reason": o.reason}
@@ -457,7 +481,7 @@ def _build_error(static: Path, name: str) -> str:
     return "does not build here: " + (err[0].strip() if err else (lines[-1].strip() if lines else "make failed"))[:240]
 
 
-IMAGE_RECIPE = "2"  # bump when ensure_image puts something else in the image
+IMAGE_RECIPE = "3"  # bump when ensure_image puts something else in the image
 
 
 def _image_key(static: Path, names: list[str]) -> str:
@@ -497,7 +521,7 @@ def ensure_image(tree: Path, names: list[str], log: Callable[[str], None] = prin
         _run(["strip", "--strip-debug", *[str(root / IMAGE_DIR.lstrip("/") / n) for n in names]], 300, "strip")
         run = root / RUN_DIR.lstrip("/")
         run.mkdir()
-        os.chmod(run, 0o1777)
+        os.chmod(run, RUN_DIR_MODE)
         images.import_path(str(root), name)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
@@ -541,9 +565,11 @@ def prepare(names: list[str] | None, log: Callable[[str], None] = print,
 class Suite:
     """The tests run against one daemon; each variant in a fresh sandbox."""
 
-    def __init__(self, daemon: Any, image: str, stop: threading.Event, upstream_uid: bool = False) -> None:
+    def __init__(self, daemon: Any, image: str, stop: threading.Event, upstream_uid: bool = False,
+                 share: bool = False) -> None:
         from crabd.runtime import Runtime
         self.upstream_uid = upstream_uid
+        self.share = share
         self.daemon = daemon
         self.image = image
         self.rt = Runtime(daemon.state)
@@ -555,21 +581,30 @@ class Suite:
         return Client(self.daemon.socket, timeout=STEP_TIMEOUT * 3)
 
     def run_test(self, t: ZdtmTest, variants: Iterable[str]) -> list[Outcome]:
-        out = []
+        out: list[Outcome] = []
+        variants = list(variants)
+        shared = [v for v in SHARED if v in variants] if self.share else []
         with self.client() as c:
-            for v in variants:
+            for v in [v for v in variants if v not in shared] + (["shared"] if shared else []):
                 if self.stop.is_set():
                     break
-                t0 = time.monotonic()
-                try:
-                    o = self.native(c, t) if v == "native" else self.checkpointed(c, t, v)
-                except Exception as e:  # crabd errors, hang guards, httpx timeouts: one test, not the run
-                    o = Outcome(t.name, v, False, f"{type(e).__name__}: {e}"[:400])
-                o.seconds = round(time.monotonic() - t0, 2)
+                if v == "shared":
+                    out.extend(self.shared(c, t, shared))
+                    continue
+                o = self._timed(t, v, lambda: self.native(c, t) if v == "native" else self.checkpointed(c, t, v))
                 out.append(o)
                 if v == "native" and not o.ok:
                     break  # the other variants count only over tests that pass natively
         return out
+
+    def _timed(self, t: ZdtmTest, v: str, step: Callable[[], Outcome]) -> Outcome:
+        t0 = time.monotonic()
+        try:
+            o = step()
+        except Exception as e:  # crabd errors, hang guards, httpx timeouts: one test, not the run
+            o = Outcome(t.name, v, False, f"{type(e).__name__}: {e}"[:400])
+        o.seconds = round(time.monotonic() - t0, 2)
+        return o
 
     # -- steps -------------------------------------------------------------------------------
     def _sandbox(self, c: Any) -> str:
@@ -671,6 +706,30 @@ class Suite:
         finally:
             self._drop(c, *made, sid)
 
+    def shared(self, c: Any, t: ZdtmTest, variants: list[str]) -> list[Outcome]:
+        """--share: `variants` (of SHARED, in its order) on one sandbox, each
+        with its own verdict: start, `true` (checkpoint ck); a fork of ck,
+        SIGTERM in the fork (fork); SIGTERM in the sandbox, dumped and left
+        running (dump_continue); rollback to ck, SIGTERM (rollback: its kill
+        turn finds the test already ended by that SIGTERM). Two sandboxes
+        fewer per test than one per variant; a variant that breaks the
+        sandbox can fail the ones after it."""
+        sid = self._sandbox(c)
+        made: list[str] = []
+        t0 = time.monotonic()
+        try:
+            try:
+                ck = self._start_and_true(c, sid, t)
+                missing = self._proc_missing(c, sid, ck)
+            except Exception as e:  # as _timed: one test, not the run
+                missing = f"{type(e).__name__}: {e}"[:400]
+            if missing:
+                return [Outcome(t.name, v, False, missing, seconds=round(time.monotonic() - t0, 2)) for v in variants]
+            return [self._timed(t, v, lambda v=v: Outcome(t.name, v, *getattr(self, v)(c, t, sid, ck, made)))
+                    for v in variants]
+        finally:
+            self._drop(c, *made, sid)
+
     def dump_continue(self, c: Any, t: ZdtmTest, sid: str, ck: dict[str, Any],
                       made: list[str]) -> tuple[bool, str, str | None]:
         return (*self._verdict(c, sid, t), None)
@@ -734,7 +793,7 @@ def order(tests: list[ZdtmTest]) -> list[ZdtmTest]:
 
 def run(tests: list[ZdtmTest], image: str, variants: list[str], jobs: int,
         progress: Callable[[Outcome], None] = lambda o: None,
-        upstream_uid: bool = False) -> tuple[list[Outcome], bool]:
+        upstream_uid: bool = False, share: bool = False) -> tuple[list[Outcome], bool]:
     """Start a daemon on a temp state dir, run every runnable test, clean up.
     Returns (outcomes, interrupted): on SIGTERM or ^C the tests finished so
     far are the result, the ones in flight are dropped."""
@@ -765,7 +824,7 @@ def run(tests: list[ZdtmTest], image: str, variants: list[str], jobs: int,
     try:
         Runtime(state).images.import_path(Runtime(TEST_STATE).images.get(image).path, image)
         daemon.start()
-        suite = Suite(daemon, image, stop, upstream_uid)
+        suite = Suite(daemon, image, stop, upstream_uid, share)
         runnable = order([t for t in tests if t.skip is None])
         # `excl` tests (upstream: never beside another test) run alone, after the rest.
         shared = [t for t in runnable if "excl" not in t.flags]
@@ -836,6 +895,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--jobs", type=int, default=2, help="tests run at once (and make -j)")
     ap.add_argument("--upstream-uid", action="store_true",
                     help="run non-suid tests as uid 18943 like zdtm.py (" + UPSTREAM_UID_NOTE.split(": ", 1)[1] + ")")
+    ap.add_argument("--share", action="store_true",
+                    help=f"run {', '.join(SHARED)} one after the other on one sandbox per test (fewer sandboxes, "
+                         "for CI; one variant that breaks the sandbox can fail the next)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", type=Path, help="write zdtm.json and zdtm.md there")
     ap.add_argument("--build-only", action="store_true", help="fetch, build and make the image, run nothing")
@@ -870,7 +932,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{o.test:28} {o.variant:14} {'PASS' if o.ok else 'FAIL'} {o.seconds:6.1f}s"
             + ("" if o.ok else f"  {o.reason[:150]}"))
 
-    outcomes, interrupted = run(tests, image, variants, a.jobs, progress, a.upstream_uid)
+    outcomes, interrupted = run(tests, image, variants, a.jobs, progress, a.upstream_uid, a.share)
     if interrupted:
         log("zdtm: interrupted; sandboxes and the daemon were cleaned up; the tests finished so far follow")
     s = summarize(tests, outcomes)
@@ -881,7 +943,7 @@ def main(argv: list[str] | None = None) -> int:
     s.update(criu=crv, source=f"{CRIU_SOURCE} (Debian trixie), sha256 "
              f"{(CACHE / 'src' / f'{CRIU_SOURCE}.sha256').read_text().strip()}",
              image=image, prepare_seconds=round(built_s, 1), seconds=round(time.monotonic() - t0, 1),
-             variants_run=variants, upstream_uid=a.upstream_uid)
+             variants_run=variants, upstream_uid=a.upstream_uid, share=a.share)
     cmd = ["crabd", "bench", "zdtm", *(argv if argv is not None else sys.argv[1:])]
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)

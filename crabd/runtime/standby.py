@@ -37,6 +37,7 @@ from typing import Any, Callable, Sequence
 
 from deltacr import Admission, ImageStore, StandbyPolicy, StandbyRecord
 from deltafs import Mount, is_mountpoint, mount_all, unmount
+from deltafs.mount import unmount_below
 
 from ..errors import FailedPrecondition, NotFound
 from .cgroups import copy_limits, sweep_cgroup
@@ -266,9 +267,7 @@ def _after_promotion(rt: Runtime, sb: Sandbox, st: Standby, src_rel: str, paths:
         except OSError:
             pass
     sweep_cgroup(st.cgroup_rel, kill=False)  # runc's state may not list the unified one
-    shutil.rmtree(st.runc_root, ignore_errors=True)
-    if not is_mountpoint(str(st.bundle / "rootfs")):
-        shutil.rmtree(st.dir, ignore_errors=True)
+    _remove_standby_dir(st.dir)
     _rmdir_if_empty(st.dir.parent)
 
 
@@ -276,30 +275,15 @@ def remove_standby_leftovers(rt: Runtime) -> list[str]:
     """After a crash: remove every standby directory, also those a prepare
     killed midway left without standby.json (list_standbys skips them):
     their runc container, stopped tasks, cgroups and mounts. Returns the
-    directories removed."""
-    from deltafs.mount import mountinfo
+    directories looked at (one still mounted stays, and is tried again at
+    the next start)."""
     base = rt.state_dir / "standbys"
     out: list[str] = []
     for sd in (sorted(base.iterdir()) if base.is_dir() else []):
         if not sd.is_dir():
             continue
         for d in sorted(sd.iterdir()):
-            st = Standby(sd.name, "", d.name, d, [], 0, 0, 0.0)
-            if (st.runc_root / sd.name).exists():
-                try:
-                    runc_for(rt, st.runc_root).delete(sd.name, force=True)
-                except Exception:  # noqa: BLE001 -- best effort; the cgroups below are swept anyway
-                    pass
-            sweep_cgroup(st.cgroup_rel)
-            real = str(d.resolve())
-            for m in sorted((m.target for m in mountinfo() if m.target.startswith(real + "/")),
-                            key=len, reverse=True):
-                try:
-                    unmount(m, detach=True)
-                except OSError:
-                    pass
-            if not any(m.target.startswith(real + "/") for m in mountinfo()):
-                shutil.rmtree(d, ignore_errors=True)
+            _tear_down(rt, Standby(sd.name, "", d.name, d, [], 0, 0, 0.0))
             out.append(str(d))
         _rmdir_if_empty(sd)
     return out
@@ -319,21 +303,45 @@ def discard_standby(rt: Runtime, st: Standby) -> None:
 
 
 def _discard_dir(rt: Runtime, st: Standby) -> None:
+    still = _tear_down(rt, st)
+    if still:
+        raise FailedPrecondition(f"standby {st.dir} could not be removed: still mounted: {', '.join(still)}",
+                                 fix=f"umount -l {' '.join(still)}; rm -r {st.dir}")
+    _rmdir_if_empty(st.dir.parent)
+
+
+def _tear_down(rt: Runtime, st: Standby) -> list[str]:
+    """Kill the standby's tasks, then remove its dir, never through a
+    mount. Returns the mounts still below it (then nothing was removed)."""
+    # A `runc restore` killed half-way (crabd's stall timeout) leaves runc's
+    # bind of the standby's root at runc/<id>/criu-root, and `runc delete`
+    # removes its state dir with everything below it: unmounted first, or
+    # runc deletes the files of the caller's fork through it.
+    unmount_below(str(st.runc_root))
     if (st.runc_root / st.sandbox_id).exists():
         try:
             runc_for(rt, st.runc_root).delete(st.sandbox_id, force=True)
-        except Exception:  # noqa: BLE001 -- best effort; the checks below decide
+        except Exception:  # noqa: BLE001 -- best effort; the cgroups below are swept anyway
             pass
     sweep_cgroup(st.cgroup_rel)
     rootfs = str(st.bundle / "rootfs")
     if is_mountpoint(rootfs):
         try:
-            unmount(rootfs)
+            unmount(rootfs)  # a clean unmount when it can; _remove_standby_dir detaches what is left
         except OSError:
-            unmount(rootfs, detach=True)
-    if is_mountpoint(rootfs):
-        raise FailedPrecondition(f"root of standby {st.dir} is still mounted", fix=f"umount {rootfs}")
-    shutil.rmtree(st.dir, ignore_errors=True)
-    _rmdir_if_empty(st.dir.parent)
+            pass
+    return _remove_standby_dir(st.dir)
+
+
+def _remove_standby_dir(d: Path) -> list[str]:
+    """Remove a standby's dir, never through a mount: every mount below it
+    is detached first, and if one is still there nothing is removed (the
+    mounts left are returned): rmtree would walk into the standby's root
+    (bundle/rootfs, or runc's criu-root bind of it) and delete the files of
+    the caller's file-system fork."""
+    still = unmount_below(str(d))
+    if not still:
+        shutil.rmtree(d, ignore_errors=True)
+    return still
 
 

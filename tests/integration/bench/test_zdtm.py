@@ -32,8 +32,10 @@ ROOT = Path(__file__).resolve().parents[3]
 # socket-tcp-skip-in-flight failed every variant but native until crabd
 # passed --skip-in-flight (a listening socket with a connection not yet
 # accept()ed refused the whole dump).
+# mlock_setuid gave no verdict even natively until the bench's run dir lost
+# its sticky bit (the test renames its output file after a setuid).
 SUBSET = ("pipe00", "sockets00", "posix_timers", "sigpending", "eventfs00",
-          "socket_udp", "socket-tcp-local", "file_lease00", "pid00", "socket-tcp-skip-in-flight")
+          "socket_udp", "socket-tcp-local", "file_lease00", "pid00", "socket-tcp-skip-in-flight", "mlock_setuid")
 
 # Still not restorable, by a property of these hosts (reported in the
 # checkpoint's reasons and by `crabd doctor`, see README Reliability).

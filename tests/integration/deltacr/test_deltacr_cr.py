@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 import subprocess
 import time
@@ -488,3 +489,54 @@ def test_sandbox_whose_init_holds_a_host_file_is_refused_with_the_fix(runtime, b
         checkpoint_processes(runtime, sb.id, store, "stdio-1")
     assert "init.log" in str(ei.value) and "CheckpointableRunner" in str(ei.value)
     assert freezer_state(runtime, sb) == "THAWED"
+
+
+# A CRIU that SIGKILLs runc and itself when runc starts it for a hot
+# standby's restore: the restore killed half-way, as crabd's stall timeout
+# kills a hung one. Deterministic: it waits for runc's bind mount of the
+# standby's root (`<standby>/runc/<id>/criu-root`, made before the restore's
+# CRIU starts and unmounted when the restore ends; runc's CRIU version
+# check, before it, runs the real CRIU).
+KILLING_CRIU = r"""#!/bin/sh
+if ! grep -q "/standbys/{sid}/.*/criu-root " /proc/self/mountinfo; then exec "{real}" "$@"; fi
+echo killed > "{log}"
+kill -9 $PPID $$
+"""
+
+
+def test_standby_restore_killed_half_way_is_discarded_without_deleting_through_its_mounts(
+        cr_runtime, busybox_image, make_sandbox, store, tmp_path, monkeypatch):
+    """A standby's restore killed half-way leaves runc's `criu-root` bind of
+    the standby's root inside the standby's dir. Before the fix its discard
+    checked only bundle/rootfs, then rmtree walked into criu-root and deleted
+    the files of the caller's file-system fork (here: the overlay's upper
+    dir lost its marker), and the mount stayed behind."""
+    from crabd.runtime.process import checkpoint_processes, list_standbys, prepare_standby
+    from deltafs.mount import mountinfo
+    rt = cr_runtime
+    sb = make_sandbox(busybox_image)
+    sh(rt, sb, "setsid sh -c 'while :; do sleep 0.2; done' </dev/null >/dev/null 2>&1 &")
+    checkpoint_processes(rt, sb.id, store, "half-1")
+    upper, work = tmp_path / "upper", tmp_path / "work"
+    upper.mkdir(), work.mkdir()
+    (upper / "standby-marker").write_text("fork\n")
+    root = [Mount("overlay", "overlay", (f"lowerdir={rt.images.get(busybox_image).path}", f"upperdir={upper}",
+                                         f"workdir={work}", "index=off"))]
+    real = shutil.which("criu")
+    wrapper, log = tmp_path / "criu-killing", tmp_path / "criu-killing.log"
+    wrapper.write_text(KILLING_CRIU.replace("{real}", real).replace("{log}", str(log)).replace("{sid}", sb.id))
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CRABD_CRIU", str(wrapper))
+
+    with pytest.raises(Exception):
+        prepare_standby(rt, sb.id, store, "half-1", root=root)
+
+    assert log.is_file(), "the wrapper killed nothing: the restore was not cut half-way"
+    mine = str((rt.state_dir / "standbys" / sb.id).resolve())
+    assert [m.target for m in mountinfo() if m.target.startswith(mine + "/")] == []
+    assert (upper / "standby-marker").read_text() == "fork\n", "the discard deleted through runc's criu-root"
+    assert not list(upper.glob("bin")), "whiteouts: files of the fork were deleted through a mount"
+    assert list_standbys(rt, sb.id) == []
+    assert not (rt.state_dir / "standbys" / sb.id).exists()
+    # the sandbox itself is untouched and still runs its loop
+    assert "while" in sh(rt, sb, "ps -o args")

@@ -5,6 +5,8 @@ JSON summary `crabd bench zdtm --json` prints."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from pathlib import Path
 
 import pytest
@@ -196,3 +198,43 @@ def test_arch_may_list_several() -> None:
     t = zdtm.ZdtmTest("rtc", [], {"arch": "x86_64 aarch64 arm ppc64"})
     assert zdtm.skip_reason(t, "x86_64", lambda f: True) is None
     assert zdtm.skip_reason(t, "s390x", lambda f: True) == "arch x86_64 aarch64 arm ppc64 only"
+
+
+def test_a_reqrst_test_failing_natively_says_it_needs_a_restore_with_upstream_options() -> None:
+    close0 = ZdtmTest("socket-tcp-close0", [], {"dopts": "--tcp-established", "ropts": "--tcp-close",
+                                                "flags": "reqrst "})
+    s = zdtm.summarize([close0], [Outcome("socket-tcp-close0", "native", False, "FAIL: Server socket isn't closed")])
+    assert s["host_limited"] == [{"test": "socket-tcp-close0", "reason":
+                                  "reqrst: upstream runs it only with a restore, with its CRIU options "
+                                  "(--tcp-established --tcp-close); natively it fails: "
+                                  "FAIL: Server socket isn't closed"}]
+
+
+def test_share_runs_fork_dump_continue_and_rollback_on_one_sandbox_after_the_rest() -> None:
+    calls: list[tuple[str, ...]] = []
+
+    class Steps(zdtm.Suite):
+        def __init__(self) -> None:  # no daemon: the steps below stand in for the sandbox ones
+            self.share, self.stop = True, threading.Event()
+
+        def client(self):  # type: ignore[override]
+            return contextlib.nullcontext(None)
+
+        def native(self, c, t):  # type: ignore[override]
+            calls.append(("native",))
+            return Outcome(t.name, "native", t.name != "bad", "PASS")
+
+        def checkpointed(self, c, t, v):  # type: ignore[override]
+            calls.append((v,))
+            return Outcome(t.name, v, True, "PASS")
+
+        def shared(self, c, t, variants):  # type: ignore[override]
+            calls.append(tuple(variants))
+            return [Outcome(t.name, v, True, "PASS") for v in variants]
+
+    outs = Steps().run_test(ZdtmTest("a", []), list(zdtm.VARIANTS))
+    assert calls == [("native",), ("auto_recovery",), ("fork", "dump_continue", "rollback")]
+    assert zdtm.complete(outs, list(zdtm.VARIANTS))
+    calls.clear()
+    assert [o.variant for o in Steps().run_test(ZdtmTest("bad", []), list(zdtm.VARIANTS))] == ["native"]
+    assert calls == [("native",)]
