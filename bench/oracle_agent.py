@@ -419,7 +419,7 @@ class Worker:
             self.shared_map = mmap.mmap(-1, 4096, mmap.MAP_SHARED)
         if kind == "sig":
             signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR2])
-        if kind in ("uring", "uringsq"):
+        if kind.startswith("uring"):
             self._uring_chain()
 
     def _uring_chain(self):
@@ -427,8 +427,11 @@ class Worker:
         chain (timeout, write, timeout, write, ...): the kernel does each at
         its offset while the process sleeps in one system call (uring: in
         task work that interrupts the sleep, which then resumes) or with no
-        system call at all (uringsq: the ring's iou-sqp thread)."""
-        self.ring = Ring(entries=2 * max(1, self.count), sqpoll=self.kind == "uringsq")
+        system call at all (uringsq: the ring's iou-sqp thread). Kinds
+        ending in -keep keep the ring for good; the others wake once the
+        chain is done and close it (CRIU refuses to dump a process holding
+        a ring: until then, checkpoints have no process image)."""
+        self.ring = Ring(entries=2 * max(1, self.count), sqpoll=self.kind.startswith("uringsq"))
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         ms = [int(self.delay * 1000)] + [int(self.period * 1000)] * (max(1, self.count) - 1)
         for i, wait in enumerate(ms):
@@ -484,8 +487,11 @@ class Worker:
         self.advance(token)
 
     def run(self):
-        if self.kind in ("uring", "uringsq"):
-            while True:  # the kernel does the writes
+        if self.kind.startswith("uring"):
+            if not self.kind.endswith("-keep"):
+                self.ring.wait(2 * max(1, self.count))  # the kernel does the writes
+                self.ring.close()
+            while True:
                 time.sleep(3600)
         time.sleep(self.delay)
         for i in range(max(1, self.count)):

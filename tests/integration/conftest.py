@@ -107,6 +107,16 @@ def start_daemon(runtime, busybox_image):
     """start_daemon(args=[...], env={...}, images=("busybox",), state=None) -> a
     started DaemonHandle on its own state dir (under /var/tmp) with the named
     test images imported; stopped and cleaned up after the test."""
+    yield from _daemons(runtime)
+
+
+@pytest.fixture(scope="module")
+def module_daemon(runtime, busybox_image):
+    """start_daemon for daemons a whole test module shares."""
+    yield from _daemons(runtime)
+
+
+def _daemons(runtime):
     import tempfile
 
     from crabd.runtime import Runtime

@@ -6,8 +6,8 @@ for it later with no system call of its own: a linked chain (timeout, then
 write) submitted once runs its write in task work that interrupts the
 process's sleep (which then resumes, like after crabd's own freeze), or in
 the ring's iou-sqp thread (SQPOLL), which makes no system call at all. A
-turn starts such a worker (bench/oracle_agent.py, kinds `uring` and
-`uringsq`) whose write lands D seconds later, around the start turn's
+turn starts such a worker (bench/oracle_agent.py, kinds `uring-keep` and
+`uringsq-keep`) whose write lands D seconds later, around the start turn's
 capture (freeze, dump, thaw, re-baseline); one second later the turn `true`
 runs. Rolling back to `true`'s checkpoint must give the file as it was live
 at that turn's end. Before io_uring activity was traced, the write in the
@@ -26,6 +26,7 @@ from crabd.testing import wait_until
 
 AGENT = (Path(__file__).parents[2] / "bench" / "oracle_agent.py").read_text()
 LOG = "/work/oracle-bg-u.log"
+IMAGE = "debian-py"  # conftest.DEBIAN_IMAGE
 
 
 def captured(c: Client, sid: str) -> list[dict]:
@@ -35,35 +36,18 @@ def captured(c: Client, sid: str) -> list[dict]:
     return wait_until(done, f"settled checkpoints of {sid}", 120, interval=0.05)  # type: ignore[return-value]
 
 
-def _daemon(runtime, debian_image, env=None):
-    import tempfile
-
-    from crabd.runtime import Runtime
-    from crabd.testing import DaemonHandle, cleanup_state_dir
-
-    state = Path(tempfile.mkdtemp(prefix="crabd-uring-", dir="/var/tmp"))
-    Runtime(state).images.import_path(runtime.images.get(debian_image).path, "debian-py")
-    d = DaemonHandle(state, env=env)
-    d.start()
-    yield d
-    try:
-        d.shutdown()
-    finally:
-        cleanup_state_dir(state)
+@pytest.fixture(scope="module")
+def daemon(module_daemon, debian_image):
+    return module_daemon(images=(debian_image,))
 
 
 @pytest.fixture(scope="module")
-def daemon(runtime, debian_image):
-    yield from _daemon(runtime, debian_image)
-
-
-@pytest.fixture(scope="module")
-def proc_daemon(runtime, debian_image):
-    yield from _daemon(runtime, debian_image, env={"CRABD_INSPECTOR": "proc"})
+def proc_daemon(module_daemon, debian_image):
+    return module_daemon(images=(debian_image,), env={"CRABD_INSPECTOR": "proc"})
 
 
 def sandbox(c: Client) -> str:
-    sid = c.create_sandbox("debian-py")["id"]
+    sid = c.create_sandbox(IMAGE)["id"]
     r = c.exec(sid, "mkdir -p /work /opt/oracle && cat > /opt/oracle/agent.py", stdin=AGENT)
     assert r["exit_code"] == 0, r["stderr"]
     return sid
@@ -91,7 +75,7 @@ def replay(c: Client, kind: str, delay: float) -> None:
         c.delete_sandbox(sid)
 
 
-@pytest.mark.parametrize("kind", ["uring", "uringsq"])
+@pytest.mark.parametrize("kind", ["uring-keep", "uringsq-keep"])
 @pytest.mark.parametrize("delay", [0.1, 0.3, 0.5, 0.7, 0.9])
 def test_a_write_io_uring_does_after_the_capture_belongs_to_the_next_turn(daemon, kind, delay):
     c = daemon.client()
@@ -99,7 +83,7 @@ def test_a_write_io_uring_does_after_the_capture_belongs_to_the_next_turn(daemon
     replay(c, kind, delay)
 
 
-@pytest.mark.parametrize("kind", ["uring", "uringsq"])
+@pytest.mark.parametrize("kind", ["uring-keep", "uringsq-keep"])
 def test_the_proc_fallback_sees_it_too(proc_daemon, kind):
     c = proc_daemon.client()
     assert c.health()["inspector"] == "proc"
