@@ -200,6 +200,125 @@ def op_chmod(p, mode):
     os.chmod(p, int(mode, 8), follow_symlinks=False)
 
 
+# --- io_uring (raw system calls: the stdlib has no binding) ------------------------------------
+SYS_IO_URING_SETUP, SYS_IO_URING_ENTER = 425, 426  # x86_64
+IORING_SETUP_SQPOLL = 1 << 1
+IORING_ENTER_GETEVENTS, IORING_ENTER_SQ_WAKEUP = 1, 2
+IORING_SQ_NEED_WAKEUP = 1
+IORING_OFF_SQ_RING, IORING_OFF_CQ_RING, IORING_OFF_SQES = 0, 0x8000000, 0x10000000
+IOSQE_IO_LINK = 1 << 2
+IORING_TIMEOUT_ETIME_SUCCESS = 1 << 5  # a timeout that expires does not break its link
+OP_TIMEOUT, OP_OPENAT, OP_WRITE, OP_RENAMEAT, OP_UNLINKAT = 11, 18, 23, 35, 36
+
+
+class Ring:
+    """One io_uring, set up and driven through raw system calls and its
+    shared rings. With sqpoll the kernel's iou-sqp thread takes the
+    submissions: after setup, the process makes no system call at all."""
+
+    def __init__(self, entries=32, sqpoll=False):
+        p = ctypes.create_string_buffer(120)  # struct io_uring_params
+        if sqpoll:
+            struct.pack_into("<III", p, 8, IORING_SETUP_SQPOLL, 0, 50)  # flags, sq_thread_cpu, sq_thread_idle ms
+        fd = libc.syscall(SYS_IO_URING_SETUP, entries, p)
+        if fd < 0:
+            _err("io_uring_setup")
+        self.fd, self.sqpoll = fd, sqpoll
+        sq_n, cq_n = struct.unpack_from("<II", p, 0)
+        sq = struct.unpack_from("<8I", p, 40)  # head tail mask entries flags dropped array resv
+        cq = struct.unpack_from("<8I", p, 80)  # head tail mask entries overflow cqes flags resv
+        self.sq = mmap.mmap(fd, sq[6] + 4 * sq_n, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE,
+                            offset=IORING_OFF_SQ_RING)
+        self.cq = mmap.mmap(fd, cq[5] + 16 * cq_n, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE,
+                            offset=IORING_OFF_CQ_RING)
+        self.sqes = mmap.mmap(fd, 64 * sq_n, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE,
+                              offset=IORING_OFF_SQES)
+        self.off = {"tail": sq[1], "mask": sq[2], "flags": sq[4], "array": sq[6]}
+        self.off_cq = {"tail": cq[1], "mask": cq[2], "cqes": cq[5]}
+        self.keep = []  # buffers the kernel reads at submission (sqpoll: later)
+        self.queued = 0
+
+    def _u32(self, m, off, v=None):
+        if v is None:
+            return struct.unpack_from("<I", m, off)[0]
+        struct.pack_into("<I", m, off, v)
+
+    def put(self, op, fd=-1, addr=0, length=0, off=0, op_flags=0, link=False):
+        tail = self._u32(self.sq, self.off["tail"])
+        i = tail & self._u32(self.sq, self.off["mask"])
+        sqe = struct.pack("<BBHiQQIIQHHiQQ", op, IOSQE_IO_LINK if link else 0, 0, fd, off, addr,
+                          length & 0xFFFFFFFF, op_flags, tail, 0, 0, 0, 0, 0)
+        self.sqes[64 * i:64 * i + 64] = sqe
+        self._u32(self.sq, self.off["array"] + 4 * i, i)
+        self._u32(self.sq, self.off["tail"], tail + 1)  # mmap stores are ordered on x86
+        self.queued += 1
+
+    def buf(self, b):
+        c = ctypes.create_string_buffer(b, len(b))
+        self.keep.append(c)
+        return ctypes.addressof(c)
+
+    def timeout(self, ms):
+        ts = struct.pack("<qq", ms // 1000, (ms % 1000) * 1000000)
+        self.put(OP_TIMEOUT, addr=self.buf(ts), length=1, op_flags=IORING_TIMEOUT_ETIME_SUCCESS, link=True)
+
+    def submit(self):
+        """Hand the queued entries to the kernel (sqpoll: only wakes its
+        thread when it went idle)."""
+        n, self.queued = self.queued, 0
+        if self.sqpoll:
+            if self._u32(self.sq, self.off["flags"]) & IORING_SQ_NEED_WAKEUP:
+                libc.syscall(SYS_IO_URING_ENTER, self.fd, 0, 0, IORING_ENTER_SQ_WAKEUP, None, 0)
+            return
+        if libc.syscall(SYS_IO_URING_ENTER, self.fd, n, 0, 0, None, 0) < 0:
+            _err("io_uring_enter")
+
+    def wait(self, n):
+        """Block (in the kernel) until n completions were posted since the
+        ring was made; their results, in order."""
+        tail = self.off_cq["tail"]
+        while self._u32(self.cq, tail) < n:
+            libc.syscall(SYS_IO_URING_ENTER, self.fd, 0, n - self._u32(self.cq, tail), IORING_ENTER_GETEVENTS,
+                         None, 0)
+        mask = self._u32(self.cq, self.off_cq["mask"])
+        return [struct.unpack_from("<i", self.cq, self.off_cq["cqes"] + 16 * (i & mask) + 8)[0] for i in range(n)]
+
+    def close(self):
+        for m in (self.sq, self.cq, self.sqes):
+            m.close()
+        os.close(self.fd)
+
+
+def op_uring(op, p, arg="", sqpoll="0"):
+    """One file change submitted through io_uring by a new process: write
+    (arg: hex data, appended), openat (create), unlinkat, renameat (arg:
+    the new path)."""
+    ring = Ring(sqpoll=sqpoll == "1")
+    fd = -1
+    path = ring.buf(p.encode() + b"\0")
+    if op == "write":
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        b = bytes.fromhex(arg)
+        ring.put(OP_WRITE, fd=fd, addr=ring.buf(b), length=len(b), off=(1 << 64) - 1)
+    elif op == "openat":
+        ring.put(OP_OPENAT, fd=AT_FDCWD, addr=path, length=0o644, op_flags=os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    elif op == "unlinkat":
+        ring.put(OP_UNLINKAT, fd=AT_FDCWD, addr=path)
+    elif op == "renameat":
+        ring.put(OP_RENAMEAT, fd=AT_FDCWD, addr=path, length=AT_FDCWD, off=ring.buf(arg.encode() + b"\0"))
+    else:
+        raise ValueError(f"uring: unknown op {op}")
+    ring.submit()
+    res = ring.wait(1)[0]
+    ring.close()
+    if fd >= 0:
+        os.close(fd)
+    if res < 0:
+        raise OSError(-res, f"uring {op} {p}: {os.strerror(-res)}")
+    if op == "openat":
+        os.close(res)
+
+
 # --- processes ------------------------------------------------------------------------------------
 def _workers(name):
     me = os.getpid()
@@ -300,6 +419,28 @@ class Worker:
             self.shared_map = mmap.mmap(-1, 4096, mmap.MAP_SHARED)
         if kind == "sig":
             signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR2])
+        if kind.startswith("uring"):
+            self._uring_chain()
+
+    def _uring_chain(self):
+        """Every write of this worker, handed to io_uring now as one linked
+        chain (timeout, write, timeout, write, ...): the kernel does each at
+        its offset while the process sleeps in one system call (uring: in
+        task work that interrupts the sleep, which then resumes) or with no
+        system call at all (uringsq: the ring's iou-sqp thread). Kinds
+        ending in -keep keep the ring for good; the others wake once the
+        chain is done and close it (CRIU refuses to dump a process holding
+        a ring: until then, checkpoints have no process image)."""
+        self.ring = Ring(entries=2 * max(1, self.count), sqpoll=self.kind.startswith("uringsq"))
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        ms = [int(self.delay * 1000)] + [int(self.period * 1000)] * (max(1, self.count) - 1)
+        for i, wait in enumerate(ms):
+            token = os.urandom(8).hex().encode()
+            self.ring.timeout(wait)
+            self.ring.put(OP_WRITE, fd=fd, addr=self.ring.buf(token + b"\n"), length=len(token) + 1,
+                          off=(1 << 64) - 1, link=i < len(ms) - 1)
+            self.advance(token)
+        self.ring.submit()
 
     def advance(self, token):
         self.step += 1
@@ -346,6 +487,12 @@ class Worker:
         self.advance(token)
 
     def run(self):
+        if self.kind.startswith("uring"):
+            if not self.kind.endswith("-keep"):
+                self.ring.wait(2 * max(1, self.count))  # the kernel does the writes
+                self.ring.close()
+            while True:
+                time.sleep(3600)
         time.sleep(self.delay)
         for i in range(max(1, self.count)):
             if i:

@@ -73,7 +73,9 @@ class Manifest:
     digest: str  # blake3 over the canonical body
     # Bytes this checkpoint's `put` added to the store: its new (compressed)
     # chunks plus its manifest; chunks shared with earlier images cost
-    # nothing. 0 for a manifest read back from disk (not part of the body).
+    # nothing. Kept in the manifest file beside the digest, not in the body:
+    # an accounting figure, not state (a crabd restarted before sizing a
+    # checkpoint reads it back); 0 for a manifest written without it.
     written: int = field(default=0, compare=False)
 
     @property
@@ -253,7 +255,9 @@ class ImageStore:
         for f in files:
             if not _safe_name(f.name) or any(not _HEX.match(k) for k, _ in f.chunks):
                 raise ImageCorrupted(checkpoint_id, f"manifest {p}: bad entry {f.name!r}")
-        return Manifest(checkpoint_id, body["created"], files, body["meta"], doc["digest"])
+        chunk_bytes = doc.get("chunk_bytes")
+        written = int(chunk_bytes) + len(raw) if isinstance(chunk_bytes, int) and chunk_bytes >= 0 else 0
+        return Manifest(checkpoint_id, body["created"], files, body["meta"], doc["digest"], written=written)
 
     def stats(self) -> StoreStats:
         n = stored = 0
@@ -313,7 +317,7 @@ class ImageStore:
         for lg in logs:
             if os.path.isfile(lg):
                 shutil.copyfile(lg, ld / os.path.basename(lg))
-        doc = json.dumps({**body, "digest": digest}).encode()
+        doc = json.dumps({**body, "digest": digest, "chunk_bytes": written}).encode()
         _atomic_write(self._manifest_path(checkpoint_id), doc, self.root / "tmp")
         return Manifest(checkpoint_id, body["created"], tuple(files), body["meta"], digest,
                         written=written + len(doc))

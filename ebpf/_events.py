@@ -43,6 +43,20 @@ OPEN_WRITE_FLAGS = O_WRONLY | O_RDWR | O_CREAT | O_TRUNC | O_APPEND
 RESTART_SYSCALL = {"x86_64": 219, "aarch64": 128, "riscv64": 128, "ppc64le": 0, "s390x": 7}
 RESTART_SYSCALL_NR = RESTART_SYSCALL.get(platform.machine(), -1)
 
+# EV_OPAQUE's arg: what could not be seen through (reasons in ebpf._turn).
+OPAQUE_URING_SETUP, OPAQUE_VM_WRITE, OPAQUE_PTRACE_POKE, OPAQUE_URING_WORK = 1, 2, 3, 4
+OPAQUE_FD_TAKEN, OPAQUE_OTHER_PROCESS = 5, 6
+# io_uring opcodes (include/uapi/linux/io_uring.h), for the reasons only:
+# every one of them counts.
+URING_OPS = (
+    "NOP READV WRITEV FSYNC READ_FIXED WRITE_FIXED POLL_ADD POLL_REMOVE SYNC_FILE_RANGE SENDMSG RECVMSG "
+    "TIMEOUT TIMEOUT_REMOVE ACCEPT ASYNC_CANCEL LINK_TIMEOUT CONNECT FALLOCATE OPENAT CLOSE FILES_UPDATE "
+    "STATX READ WRITE FADVISE MADVISE SEND RECV OPENAT2 EPOLL_CTL SPLICE PROVIDE_BUFFERS REMOVE_BUFFERS TEE "
+    "SHUTDOWN RENAMEAT UNLINKAT MKDIRAT SYMLINKAT LINKAT MSG_RING FSETXATTR SETXATTR FGETXATTR GETXATTR "
+    "SOCKET URING_CMD SEND_ZC SENDMSG_ZC READ_MULTISHOT WAITID FUTEX_WAIT FUTEX_WAKE FUTEX_WAITV "
+    "FIXED_FD_INSTALL FTRUNCATE BIND LISTEN RECV_ZC EPOLL_WAIT READV_FIXED WRITEV_FIXED PIPE"
+).split()
+
 # Where an open for write landed, by the file system's s_magic (linux/magic.h):
 # state a file-system snapshot does not hold. Read in the kernel at the
 # open's exit (inspector.c, fd_fs and lands_special; device nodes excepted),
@@ -269,6 +283,12 @@ def defines(follow_pids: bool = False, count_writes: bool = True,
         "COUNT_WRITES": int(count_writes),
         "RESTART_SYSCALL_NR": RESTART_SYSCALL_NR,
         "FD_FS": int(bool(offsets)),
+        "OPAQUE_URING_SETUP": OPAQUE_URING_SETUP,
+        "OPAQUE_VM_WRITE": OPAQUE_VM_WRITE,
+        "OPAQUE_PTRACE_POKE": OPAQUE_PTRACE_POKE,
+        "OPAQUE_URING_WORK": OPAQUE_URING_WORK,
+        "OPAQUE_FD_TAKEN": OPAQUE_FD_TAKEN,
+        "OPAQUE_OTHER_PROCESS": OPAQUE_OTHER_PROCESS,
     }
     d.update(offsets or {})
     d.update({f"EV_{k.name}": int(k) for k in EventKind})

@@ -22,6 +22,13 @@ from ebpf._events import (
     O_CREAT,
     O_EXCL,
     O_TMPFILE,
+    OPAQUE_FD_TAKEN,
+    OPAQUE_OTHER_PROCESS,
+    OPAQUE_PTRACE_POKE,
+    OPAQUE_URING_SETUP,
+    OPAQUE_URING_WORK,
+    OPAQUE_VM_WRITE,
+    URING_OPS,
     Event,
     EventKind,
     landed_scope,
@@ -67,9 +74,10 @@ _DEVICES = {
 }  # fmt: skip
 # /proc paths that alias files of the file system.
 _PROC_ALIAS = re.compile(r"^/proc/[^/]+/(fd|cwd|root|map_files|task/[^/]+/(fd|cwd|root))(/|$)")
-_OPAQUE = {1: "io_uring", 2: "process_vm_writev", 3: "ptrace writes into another process",
-           4: "pidfd_getfd: a file descriptor taken from another process",
-           5: "another process's scheduling, I/O priority or limits changed"}
+_OPAQUE = {OPAQUE_URING_SETUP: "io_uring", OPAQUE_VM_WRITE: "process_vm_writev",
+           OPAQUE_PTRACE_POKE: "ptrace writes into another process",
+           OPAQUE_FD_TAKEN: "pidfd_getfd: a file descriptor taken from another process",
+           OPAQUE_OTHER_PROCESS: "another process's scheduling, I/O priority or limits changed"}
 _KOBJ = {1: "System V shared memory", 2: "System V message queue", 3: "System V semaphore", 4: "POSIX mqueue"}
 
 
@@ -309,6 +317,9 @@ class TurnRecorder:
             self.kobjs.add(_KOBJ.get(ev.arg, "kernel object") + (f" {ev.path}" if ev.path else ""), self.max)
         elif k == EventKind.OPAQUE:
             b = _OPAQUE.get(ev.arg, "an opaque call")
+            if ev.arg == OPAQUE_URING_WORK:
+                op = URING_OPS[ev.ret] if 0 <= ev.ret < len(URING_OPS) else None
+                b = f"io_uring work of {ev.pid} {ev.comm!r} ({op or 'a request submitted earlier'})"
             if b not in self.blind:
                 self.blind.append(b)
 

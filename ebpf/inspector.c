@@ -650,15 +650,54 @@ TRACEPOINT_PROBE(syscalls, sys_enter_mq_unlink) { return simple_event(EV_KERNEL_
 /* Effects we cannot see through: io_uring submissions, writes into another
  * process's memory, a file description taken from another process,
  * another process's scheduling or limits. */
-TRACEPOINT_PROBE(syscalls, sys_enter_io_uring_setup) { return simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, 1); }
+TRACEPOINT_PROBE(syscalls, sys_enter_io_uring_setup) { return simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, OPAQUE_URING_SETUP); }
+
+/* io_uring work after the setup: a ring set up in an earlier turn submits
+ * through io_uring_enter, or with SQPOLL through no system call at all (the
+ * kernel's iou-sqp thread takes the entries), and a linked chain submitted
+ * once runs its later requests in task work that interrupts whatever the
+ * process sleeps in (which then resumes, like after crabd's own freeze) or
+ * in an iou-wrk thread. These tracepoints fire for each of them in a thread
+ * of the ring's owner (iou-sqp and iou-wrk threads belong to its thread
+ * group and cgroup); a process that did any makes the turn it lands in, or
+ * the next one when it lands in crabd's pause, save everything. Once per
+ * process and turn (the `seen` table): a busy ring must not flood the
+ * buffer. member_tag(), not sandbox_tag(): task work runs in a thread CRIU
+ * may hold seized, and CRIU's parasite never uses io_uring. */
+static __always_inline int uring_work(s64 opcode)
+{
+    u32 tag = member_tag();
+    if (!tag)
+        return 0;
+    u64 pt = bpf_get_current_pid_tgid();
+    struct seen_key k = {tag, (u32)(pt >> 32), AT_FDCWD_, EV_OPAQUE, OPAQUE_URING_WORK};
+    u64 epoch = epoch_of(tag);
+    u64 *v = seen.lookup(&k);
+    if (v && *v == epoch)
+        return 0;
+    struct event *e = new_event(tag, EV_OPAQUE);
+    if (!e)
+        return 0;
+    seen.update(&k, &epoch);
+    e->arg = OPAQUE_URING_WORK;
+    e->ret = opcode;
+    events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+    return 0;
+}
+TRACEPOINT_PROBE(io_uring, io_uring_submit_req) { return uring_work(args->opcode); }
+TRACEPOINT_PROBE(io_uring, io_uring_queue_async_work) { return uring_work(args->opcode); }
+TRACEPOINT_PROBE(io_uring, io_uring_complete) { return uring_work(-1); }
+/* an SQPOLL thread runs its (empty) task work at every poll: count 0 is no work */
+TRACEPOINT_PROBE(io_uring, io_uring_task_work_run) { return args->count ? uring_work(-1) : 0; }
+TRACEPOINT_PROBE(io_uring, io_uring_local_work_run) { return args->count > 0 ? uring_work(-1) : 0; }
 TRACEPOINT_PROBE(syscalls, sys_enter_process_vm_writev)
 {
-    return simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, 2);
+    return simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, OPAQUE_VM_WRITE);
 }
 /* A file description taken out of another process: writes through it
  * need no open in this turn (the open was in an older turn, by an older
  * process that does not run now). */
-TRACEPOINT_PROBE(syscalls, sys_enter_pidfd_getfd) { return simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, 4); }
+TRACEPOINT_PROBE(syscalls, sys_enter_pidfd_getfd) { return simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, OPAQUE_FD_TAKEN); }
 /* Another process's scheduling, I/O priority or limits changed without it
  * running (renice -p, chrt -p, prlimit --pid, ionice -p, setpriority of a
  * group or a user): CRIU saves them. A pid of 0 is the caller itself, a
@@ -668,35 +707,35 @@ TRACEPOINT_PROBE(syscalls, sys_enter_setpriority)
 {
     if (args->which == 0 && args->who == 0) /* PRIO_PROCESS, self */
         return 0;
-    return simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, 5);
+    return simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, OPAQUE_OTHER_PROCESS);
 }
 TRACEPOINT_PROBE(syscalls, sys_enter_ioprio_set)
 {
     if (args->which == 1 && args->who == 0) /* IOPRIO_WHO_PROCESS, self */
         return 0;
-    return simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, 5);
+    return simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, OPAQUE_OTHER_PROCESS);
 }
 TRACEPOINT_PROBE(syscalls, sys_enter_prlimit64)
 {
     if (args->pid == 0 || args->new_rlim == 0)
         return 0;
-    return simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, 5);
+    return simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, OPAQUE_OTHER_PROCESS);
 }
 TRACEPOINT_PROBE(syscalls, sys_enter_sched_setscheduler)
 {
-    return args->pid ? simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, 5) : 0;
+    return args->pid ? simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, OPAQUE_OTHER_PROCESS) : 0;
 }
 TRACEPOINT_PROBE(syscalls, sys_enter_sched_setparam)
 {
-    return args->pid ? simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, 5) : 0;
+    return args->pid ? simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, OPAQUE_OTHER_PROCESS) : 0;
 }
 TRACEPOINT_PROBE(syscalls, sys_enter_sched_setattr)
 {
-    return args->pid ? simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, 5) : 0;
+    return args->pid ? simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, OPAQUE_OTHER_PROCESS) : 0;
 }
 TRACEPOINT_PROBE(syscalls, sys_enter_sched_setaffinity)
 {
-    return args->pid ? simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, 5) : 0;
+    return args->pid ? simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, OPAQUE_OTHER_PROCESS) : 0;
 }
 TRACEPOINT_PROBE(syscalls, sys_enter_ptrace)
 {
@@ -710,7 +749,7 @@ TRACEPOINT_PROBE(syscalls, sys_enter_ptrace)
     }
     /* POKETEXT, POKEDATA, POKEUSER, SETREGS, SETFPREGS, SETREGSET, SETSIGINFO */
     if (r == 4 || r == 5 || r == 6 || r == 13 || r == 15 || r == 0x4205 || r == 0x4203)
-        return simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, 3);
+        return simple_event(EV_OPAQUE, AT_FDCWD_, 0, 0, OPAQUE_PTRACE_POKE);
     return 0;
 }
 

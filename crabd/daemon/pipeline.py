@@ -302,7 +302,10 @@ class CapturePipeline(DaemonBase):
             extra = 0
             if ck.proc_image == ck.id:
                 try:
-                    extra = sum(f.size for f in self.images.manifest(ck.proc_image).files)
+                    # what the store wrote for it, as the capture counts it; the
+                    # raw image size only for a manifest written without that figure
+                    m = self.images.manifest(ck.proc_image)
+                    extra = m.written or m.raw_bytes
                 except Exception:
                     extra = 0
             self._schedule_sizing(ck.sandbox_id, ck.id, extra)

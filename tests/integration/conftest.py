@@ -148,9 +148,10 @@ def start_daemon(runtime, busybox_image):
 
 @pytest.fixture(scope="module")
 def module_daemon(runtime, busybox_image):
-    """One daemon with busybox and debian-py, shared by a module's tests (each
-    makes its own sandboxes): for modules of many short scenarios, where a
-    daemon and an image import per test would be most of the time."""
+    """start_daemon for daemons a whole test module shares (each test makes
+    its own sandboxes): for modules of many short scenarios, where a daemon
+    and an image import per test would be most of the time. Stopped after
+    the module."""
     start, made = _daemons(runtime)
-    yield start(images=(BUSYBOX_IMAGE, DEBIAN_IMAGE))
+    yield start
     _stop_all(made)

@@ -33,6 +33,11 @@ pytestmark = pytest.mark.needs("runc", "criu", "bpf", "busybox", "debian-py")
 _cleanup: list = []
 
 
+@pytest.fixture(scope="module")
+def daemon(module_daemon):
+    return module_daemon(images=("busybox", "debian-py"))
+
+
 def teardown_function() -> None:
     while _cleanup:
         c, sid = _cleanup.pop()
@@ -49,8 +54,8 @@ def _quiet(c, sid):
     settled_checkpoints(c, sid, 240)
 
 
-def test_a_file_description_taken_from_an_older_process(module_daemon):
-    c = module_daemon.client()
+def test_a_file_description_taken_from_an_older_process(daemon):
+    c = daemon.client()
     sid = c.create_sandbox("debian-py")["id"]
     _cleanup.append((c, sid))
     assert c.exec(sid, HOLDER)["exit_code"] == 0
@@ -66,8 +71,8 @@ def test_a_file_description_taken_from_an_older_process(module_daemon):
     assert c.exec(sid, "cat /work/f")["stdout"] == "first\nstolen\n"
 
 
-def test_an_ipc_object_removed_by_its_id(module_daemon):
-    c = module_daemon.client()
+def test_an_ipc_object_removed_by_its_id(daemon):
+    c = daemon.client()
     sid = c.create_sandbox("debian-py")["id"]
     _cleanup.append((c, sid))
     made = c.exec(sid, "ipcmk -Q")
@@ -83,8 +88,8 @@ def test_an_ipc_object_removed_by_its_id(module_daemon):
     assert c.exec(sid, "ipcs -q | awk '$2 ~ /^[0-9]+$/' | wc -l")["stdout"].strip() == "0"
 
 
-def test_an_older_process_reniced(module_daemon):
-    c = module_daemon.client()
+def test_an_older_process_reniced(daemon):
+    c = daemon.client()
     sid = c.create_sandbox("debian-py")["id"]
     _cleanup.append((c, sid))
     assert c.exec(sid, "(setsid sleep 3600 </dev/null >/dev/null 2>&1 &); sleep 0.2")["exit_code"] == 0
@@ -136,12 +141,12 @@ c.close()
 '''
 
 
-def test_messages_queued_for_a_process_that_does_not_read(module_daemon):
+def test_messages_queued_for_a_process_that_does_not_read(daemon):
     """A datagram for an older process's unix socket and a connection (with
     data) to its TCP listener, both left unread: its queues changed while
     it slept. Before the fix: SKIP (a probe with a unix and a UDP socket),
     and the rollback gave the queues back empty."""
-    c = module_daemon.client()
+    c = daemon.client()
     sid = c.create_sandbox("debian-py")["id"]
     _cleanup.append((c, sid))
     assert c.exec(sid, ["python3", "-c", QUIET_SERVER])["exit_code"] == 0
@@ -160,12 +165,12 @@ def test_messages_queued_for_a_process_that_does_not_read(module_daemon):
     assert c.exec(sid, "cat /tmp/got")["stdout"] == "m1 -"
 
 
-def test_bytes_left_in_a_fifo_an_older_process_holds(module_daemon):
+def test_bytes_left_in_a_fifo_an_older_process_holds(daemon):
     """`echo data > /tmp/ff` where only an older, sleeping process holds the
     FIFO's read end: the bytes wait in its pipe, process state a file-system
     snapshot does not hold. Before the fix: planned FS, and the rollback gave
     the reader back an empty pipe."""
-    c = module_daemon.client()
+    c = daemon.client()
     sid = c.create_sandbox("debian-py")["id"]
     _cleanup.append((c, sid))
     opened = c.exec(sid, "mkfifo /tmp/ff; (setsid sleep 3600 < /tmp/ff >/dev/null 2>&1 &); exec 3>/tmp/ff; sleep 0.2")

@@ -173,3 +173,23 @@ def test_the_daemon_hook_records_at_the_snapshot_or_at_a_snapshotless_commit(tmp
     rec = load_record(tmp_path / "sb-2.json.zst")
     assert (rec["checkpoint"], rec["plan"], rec["frozen_by"]) == ("sb-2", "SKIP", None)
     assert calls == ["snapshot sb-1", "commit sb-1", "commit sb-2"]
+
+
+def test_a_refused_dump_is_checked_on_its_rootfs_files_only():
+    """CRIU refuses a process holding an io_uring: crabd commits the files
+    and says so; that checkpoint and those sharing its missing image claim
+    their rootfs files, not processes nor the tmpfs only an image holds."""
+    from bench.oracle import declared, refused_dumps
+
+    cks = [{"id": "a", "parent": None, "proc_image": "a", "reasons": []},
+           {"id": "b", "parent": "a", "proc_image": None, "reasons": ["x", "process image not captured: dump ..."]},
+           {"id": "c", "parent": "b", "proc_image": None, "reasons": ["no recovery-relevant OS effect seen"]},
+           {"id": "d", "parent": "c", "proc_image": "d", "reasons": []},
+           {"id": "e", "parent": "d", "proc_image": None, "reasons": []}]
+    assert refused_dumps(cks) == {"b", "c"}
+    truth = _record()
+    truth["mounts"]["/dev/shm"]["entries"]["x"] = _file("xx")
+    restored = _record(processes={})
+    restored["mounts"]["/"]["entries"]["work/a"] = _file("bb")
+    d = declared(compare(truth, restored), truth)
+    assert [(x.where, x.path) for x in d] == [("file", "/work/a")]

@@ -98,6 +98,9 @@ def test_unchanged_heap_is_stored_once_even_when_a_region_appears(tmp_path):
     # `written` is what this put added: its new chunks plus its manifest
     manifest = len(store._manifest_path("c2").read_bytes())
     assert m2.written == added + manifest, (m2.written, added, manifest)
+    # and it is read back (a restarted crabd sizes the checkpoint by it, not by its raw bytes)
+    assert store.manifest("c2").written == m2.written
+    assert ImageStore(tmp_path / "store", level=1).manifest("c1").written > 0
 
 
 def test_corrupted_chunk_is_refused_before_anything_is_written(tmp_path):

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from ebpf import AlreadyWatched, Effects, Inspector, NotWatched, PlanKind, classify
-from ebpf._events import AF_INET, AF_UNIX, O_CREAT, O_TRUNC, O_WRONLY, Event, EventKind as K
+from ebpf._events import (AF_INET, AF_UNIX, O_CREAT, O_TRUNC, O_WRONLY, OPAQUE_URING_WORK, URING_OPS, Event,
+                          EventKind as K)
 from ebpf.testing import FakeClock, FakeLoader, FakeProcessTable
 
 CG = "/sys/fs/cgroup/unified/sb"
@@ -193,6 +194,18 @@ def test_mount_kernel_objects_blind_spots(env):
     assert e.mounts.sample == ["mount /mnt (tmpfs)"]
     assert e.kernel_objects.count == 1
     assert e.blind_spots == ["io_uring"]
+    assert classify(e).kind is PlanKind.FS_PROC
+
+
+def test_io_uring_work_of_an_older_ring_saves_everything(env):
+    """A ring set up earlier: its submissions, and requests the kernel runs
+    later (task work, iou-sqp, iou-wrk threads), are opaque file changes."""
+    insp, loader, procs, tag = env
+    loader.emit(ev(K.OPAQUE, tag, arg=OPAQUE_URING_WORK, ret=URING_OPS.index("WRITE"), comm="iou-sqp-100"),
+                ev(K.OPAQUE, tag, pid=101, arg=OPAQUE_URING_WORK, ret=-1, comm="ow-u"))
+    e = insp.end_turn("sb")
+    assert e.blind_spots == ["io_uring work of 100 'iou-sqp-100' (WRITE)",
+                             "io_uring work of 101 'ow-u' (a request submitted earlier)"]
     assert classify(e).kind is PlanKind.FS_PROC
 
 
