@@ -109,9 +109,10 @@ class Rollback(DaemonBase):
             self.inspector.unwatch(sid)
         except Exception:
             pass
-        promoted = self._promote_standby(sid, ck, row, timing) if processes else None
+        promoted = self._promote_standby(sid, ck, row, timing, processes)
         if promoted is not None:
-            return self._finish_rollback(sid, row, ck, promoted, "fs+proc (hot standby)", timing, reason)
+            restored = "fs+proc (hot standby)" if processes and ck.proc_image else "fs (standby)"
+            return self._finish_rollback(sid, row, ck, promoted, restored, timing, reason)
         t = time.monotonic()
         self.runtime.stop(sid)
         timing["stop"] = time.monotonic() - t
