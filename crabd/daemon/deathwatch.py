@@ -174,12 +174,15 @@ class DeathWatch(DaemonBase):
         """Record the rolled-back sandbox's init for the death watch. A
         sandbox already not running (its restored processes were killed as
         they appeared) is marked dead for the watch, not left unwatched."""
-        sb = await asyncio.to_thread(self.runtime.get, sid)
-        t.init_pid = sb.pid
         t.died = None
+        # `_watch` recorded the new init: alive, it needs no `runc state`
+        # spawn here (a few ms of every rollback's reply, profiled).
+        if t.init_pid is None or not pid_alive(t.init_pid):
+            sb = await asyncio.to_thread(self.runtime.get, sid)
+            t.init_pid = sb.pid
+            if sb.status != "running" or (sb.pid is not None and not pid_alive(sb.pid)):
+                t.died = f"its restored processes died during the rollback (runc: {sb.status})"
         self.wake_death_watch()  # arm a pidfd for the new init now
-        if sb.status != "running" or (sb.pid is not None and not pid_alive(sb.pid)):
-            t.died = f"its restored processes died during the rollback (runc: {sb.status})"
         if not t.recovering:  # a rollback asked for by hand starts automatic recovery over
             t.recoveries.clear()
             t.gave_up = False

@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from ..errors import NotFound
+from ..runtime import Sandbox
 from ..store import CheckpointRow, SandboxRow
 from .base import DaemonBase, StandbyEntry
 from .events import EventKind
@@ -107,11 +108,12 @@ class Standbys(DaemonBase):
                              memory_bytes=st.memory_bytes, processes=not st.fresh)
 
     def _promote_standby(self, sid: str, ck: CheckpointRow, row: SandboxRow,
-                         timing: dict[str, float], processes: bool = True) -> str | None:
+                         timing: dict[str, float], processes: bool = True) -> tuple[str, Sandbox] | None:
         """Roll back by promoting the standby of `ck`, if there is one of the
         kind asked for (its processes restored, or a fresh init: `processes`
         and whether `ck` has an image decide). Returns the new root's deltafs
-        key, or None (then the cold path runs)."""
+        key and the promoted sandbox, or None (then the cold path runs). The
+        sandbox's old root (`row.fs_key`) is left to the caller to remove."""
         from ..runtime.standby import discard_standby, promote_standby
         with self._standby_lock(sid):
             e = self.standbys.get(sid)
@@ -120,7 +122,7 @@ class Standbys(DaemonBase):
             self.standbys.pop(sid)
             t = time.monotonic()
             try:
-                promote_standby(self.runtime, e.standby)
+                sb = promote_standby(self.runtime, e.standby)
             except Exception as err:  # stale or broken standby: the cold path is still correct
                 log.warning("promoting the standby of %s for %s failed: %s", sid, ck.id, err)
                 self.events.emit(EventKind.STANDBY_FAILED, sid, checkpoint=ck.id, error=str(err))
@@ -133,8 +135,7 @@ class Standbys(DaemonBase):
             promote_ms = getattr(e.standby, "promote_ms", None)
             if promote_ms is not None:
                 timing["resume"] = promote_ms / 1000
-        self._remove_snapshot(row.fs_key)
-        return e.fs_key
+        return e.fs_key, sb
 
     def _holds(self, e: StandbyEntry, ck: CheckpointRow, processes: bool) -> bool:
         """Whether standby `e` is exactly `ck`'s state (with its processes, or
@@ -181,8 +182,12 @@ class Standbys(DaemonBase):
         # ... and what a prepare killed midway left (no standby.json yet)
         for d in remove_standby_leftovers(self.runtime):
             log.info("removed a half-made standby %s", d)
-        for row in self.store.list_sandboxes():
+        rows = self.store.list_sandboxes()
+        for row in rows:
             sweep_standby_cgroups(row.id)
+        # A promoted standby's snapshot is its sandbox's root from then on
+        # (named standby-...): never removed as a leftover, mounted or not.
+        roots = {row.fs_key for row in rows}
         for info in list(self.fs.walk()):
-            if is_standby_key(info.name):
+            if is_standby_key(info.name) and info.name not in roots:
                 self._remove_snapshot(info.name)

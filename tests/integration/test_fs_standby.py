@@ -113,7 +113,15 @@ def test_a_restart_with_standbys_around_leaks_nothing(start_daemon):
     c = d.client()
     fs = c.create_sandbox("busybox")["id"]
     proc = c.create_sandbox("busybox")["id"]
-    _standby_ready(c, fs, c.exec(fs, "echo f > /f")["checkpoint"])
+    ck = c.exec(fs, "echo f > /f")["checkpoint"]
+    _standby_ready(c, fs, ck)
+    # one promotion first: the fs sandbox's root is a former standby's snapshot then
+    since = _last_seq(c, fs)
+    os.kill(c.sandbox(fs)["pid"], signal.SIGKILL)
+    assert _rolled_back(c, fs, since)["data"]["restored"] == "fs (standby)"
+    assert c.sandbox(fs)["fs_key"].startswith("standby-")
+    wait_until(lambda: [e for e in c.events(since=since, sandbox=fs) if e["kind"] == "standby.ready"],
+               "the standby made again after the promotion", 120, interval=0.05)
     r = c.exec(proc, "sleep 100000 >/dev/null 2>&1 &")
     assert r["plan"] == "FS_PROC", r
     _standby_ready(c, proc, r["checkpoint"])
@@ -125,10 +133,11 @@ def test_a_restart_with_standbys_around_leaks_nothing(start_daemon):
     d.start()
     c = d.client()
     wait_until(lambda: all(c.sandbox(s)["state"] == "running" for s in (fs, proc)), "re-adoption", 60)
+    fs_root = c.sandbox(fs)["fs_key"]
     left = [p for p in (d.state / "standbys").rglob("*")] if (d.state / "standbys").exists() else []
     assert not left, left
     mounts = Path("/proc/self/mountinfo").read_text()
-    assert str(d.state / "standbys") not in mounts
+    assert str(d.state / "standbys") + "/" not in mounts
     for sid in (fs, proc):
         for hier in ("freezer", "memory", "unified"):
             base = Path("/sys/fs/cgroup") / hier / "crabd"
@@ -140,11 +149,13 @@ def test_a_restart_with_standbys_around_leaks_nothing(start_daemon):
     import deltafs
     snaps = deltafs.open(str(d.state / "fs"))
     try:
-        assert not [i.name for i in snaps.walk() if i.name.startswith("standby-")]
+        roots = {i.name for i in snaps.walk() if i.name.startswith("standby-")}
+        assert roots == {fs_root}, roots   # the promoted root stays, no standby's does
     finally:
         snaps.close()
     d.start()
     c = d.client()
+    assert c.exec(fs, "cat /f")["stdout"] == "f\n"   # the promoted root kept its files
     # and the sandboxes still recover (through new standbys, once a capture
     # made them: the first turn after a restart is saved whole, FS_PROC)
     r = c.exec(fs, "echo g > /f")
