@@ -17,13 +17,13 @@ so a slow phase of the host shows in all of them alike:
   `runtime` (extra): the same sandbox's exec path alone, crabd.runtime's
   `Runtime.exec` called by the bench (runc exec, or the init's channel),
   without the daemon's turn (inspector, checkpoint plan, store, HTTP);
-- rollback_ms latest_*: a new turn, its checkpoint durable (and for `proc`
-  its hot standby ready: the `standby.ready` event), then the API rollback to
-  it, client round trip; older_*: the rollback to the sandbox's first
+- rollback_ms latest_*: a new turn, its checkpoint durable and its standby
+  ready (the `standby.ready` event: CRIU's for `proc`, a stopped fresh init
+  for `fs`), then the API rollback to it, client round trip; older_*: the rollback to the sandbox's first
   checkpoint of the bench (cold for `proc`: no standby holds it);
 - fork_ms: `fork(checkpoint, 1)` and `fork(checkpoint, 8)` of the latest
   checkpoint, client round trip (the forks are deleted, untimed);
-- kill_to_running_ms: a new turn made durable (standby ready for `proc`),
+- kill_to_running_ms: a new turn made durable (its standby ready),
   then SIGKILL of every process of the sandbox (its cgroup's tasks): from
   the kill until an exec of `true` succeeds (the bench waits for the
   `sandbox.rolled_back` event, polling every 2 ms, then execs: what an
@@ -143,7 +143,8 @@ class Bench:
         self.state = Path(tempfile.mkdtemp(prefix="crabd-bench-lat-", dir="/var/tmp"))
         self.rt = Runtime(self.state)
         self.samples: dict[str, list[float]] = {}
-        self.notes: dict[str, int] = {"standby_promotions": 0, "cold_latest_proc": 0, "restart_rounds": 0}
+        self.notes: dict[str, int] = {"standby_promotions": 0, "cold_latest_proc": 0, "cold_latest_fs": 0,
+                                      "restart_rounds": 0}
         env = {"CRABD_INSPECTOR": "proc"} if a.inspector == "proc" else None
         self.dh = DaemonHandle(self.state, env=env)
         self._client: Any = None
@@ -224,18 +225,20 @@ class Bench:
                 raise RuntimeError(f"no awaited event of {sid} after {WAIT_S} s")
             time.sleep(interval)
 
-    def fresh_target(self, sid: str, proc: bool) -> str:
-        """A new turn, made durable (and its standby ready, for `proc`): the
-        sandbox waits for its agent's LLM, as in a real run. Returns its checkpoint."""
+    def fresh_target(self, sid: str, proc: bool, standby: bool = True) -> str:
+        """A new turn, made durable (and its standby ready: a CRIU one for
+        `proc`, a stopped fresh init for FS-only): the sandbox waits for its
+        agent's LLM, as in a real run. Returns its checkpoint."""
         since = self.client().last_event_seq()
         ck = self.turn(sid, f"echo {secrets.token_hex(4)} > /root/n")["checkpoint"]
         self.wait_durable(sid)
-        if proc:
+        if standby:
             try:
                 self.wait_event(sid, since, lambda e: e["kind"] == "standby.ready"
                                 and e["data"].get("checkpoint") == ck)
             except RuntimeError:
-                self.notes["cold_latest_proc"] += 1   # measured anyway: then it is the cold path
+                # measured anyway: then it is the cold path
+                self.notes["cold_latest_proc" if proc else "cold_latest_fs"] += 1
         return ck
 
     # -- measurements -----------------------------------------------------------------------------
@@ -284,7 +287,7 @@ class Bench:
     def fork_round(self) -> None:
         c = self.client()
         for sid, kind in ((self.fs, ""), (self.proc, "_proc")):
-            ck = self.fresh_target(sid, False)
+            ck = self.fresh_target(sid, False, standby=False)
             for n in (1, 8):
                 t0 = time.monotonic()
                 made = c.fork(ck, n)["sandboxes"]
