@@ -115,6 +115,13 @@ class Standbys(DaemonBase):
         key and the promoted sandbox, or None (then the cold path runs). The
         sandbox's old root (`row.fs_key`) is left to the caller to remove."""
         from ..runtime.standby import discard_standby, promote_standby
+        # Without a standby that holds `ck` there is nothing to wait for: a
+        # refresh making one of another checkpoint holds the lock for its
+        # whole prepare (seen as slower rollbacks to older checkpoints).
+        # The check that decides is repeated under the lock.
+        e = self.standbys.get(sid)
+        if e is None or not self._holds(e, ck, processes):
+            return None
         with self._standby_lock(sid):
             e = self.standbys.get(sid)
             if e is None or not self._holds(e, ck, processes):
