@@ -3,7 +3,7 @@
 back, forks, runs a command, and how fast crabd serves after a restart.
 
     python -m bench.latency [--quick] [--json] [--rounds N] [--execs N] [--restarts N]
-                            [--inspector bpf|proc] [--no-docker] [--out DIR]
+                            [--inspector bpf|proc] [--no-docker] [--storm N] [--out DIR]
 
 One daemon (`crabd serve` on a fresh state dir under /var/tmp, busybox image),
 two sandboxes: `fs` (files only: every turn's plan is FS) and `proc` (a
@@ -17,18 +17,25 @@ so a slow phase of the host shows in all of them alike:
   `runtime` (extra): the same sandbox's exec path alone, crabd.runtime's
   `Runtime.exec` called by the bench (runc exec, or the init's channel),
   without the daemon's turn (inspector, checkpoint plan, store, HTTP);
-- rollback_ms latest_*: a new turn, its checkpoint durable (and for `proc`
-  its hot standby ready: the `standby.ready` event), then the API rollback to
-  it, client round trip; older_*: the rollback to the sandbox's first
+- rollback_ms latest_*: a new turn, its checkpoint durable and its standby
+  ready (the `standby.ready` event: CRIU's for `proc`, a stopped fresh init
+  for `fs`), then the API rollback to it, client round trip; older_*: the rollback to the sandbox's first
   checkpoint of the bench (cold for `proc`: no standby holds it);
 - fork_ms: `fork(checkpoint, 1)` and `fork(checkpoint, 8)` of the latest
   checkpoint, client round trip (the forks are deleted, untimed);
-- kill_to_running_ms: a new turn made durable (standby ready for `proc`),
+- kill_to_running_ms: a new turn made durable (its standby ready),
   then SIGKILL of every process of the sandbox (its cgroup's tasks): from
   the kill until an exec of `true` succeeds (the bench waits for the
   `sandbox.rolled_back` event, polling every 2 ms, then execs: what an
   agent following events sees); kill_to_rolled_back_ms: from the kill to
   that event's own timestamp (the daemon's clock, same host);
+- storm_ms (issue 16 item 5): a syscall storm, `dd if=/dev/zero
+  of=/dev/null bs=1 count=N` (N reads and N writes, 1e6 by default, --quick
+  2e5), through crabd's client and through `docker exec`, alternating. The
+  BPF inspector's tracepoints fire for every task of the host; only the
+  watched sandbox's writes are counted (its cgroup), so crabd minus docker
+  is what watching a sandbox costs, plus the exec paths' difference
+  (exec_true_ms says how much that is);
 - restart_ms (after some rounds): SIGTERM of crabd, then a new `crabd serve`:
   from its spawn to the first answered health request (`serving`, polled
   every 10 ms) and to the last `sandbox.adopted` event (`adopted`).
@@ -136,7 +143,8 @@ class Bench:
         self.state = Path(tempfile.mkdtemp(prefix="crabd-bench-lat-", dir="/var/tmp"))
         self.rt = Runtime(self.state)
         self.samples: dict[str, list[float]] = {}
-        self.notes: dict[str, int] = {"standby_promotions": 0, "cold_latest_proc": 0, "restart_rounds": 0}
+        self.notes: dict[str, int] = {"standby_promotions": 0, "cold_latest_proc": 0, "cold_latest_fs": 0,
+                                      "restart_rounds": 0}
         env = {"CRABD_INSPECTOR": "proc"} if a.inspector == "proc" else None
         self.dh = DaemonHandle(self.state, env=env)
         self._client: Any = None
@@ -217,18 +225,20 @@ class Bench:
                 raise RuntimeError(f"no awaited event of {sid} after {WAIT_S} s")
             time.sleep(interval)
 
-    def fresh_target(self, sid: str, proc: bool) -> str:
-        """A new turn, made durable (and its standby ready, for `proc`): the
-        sandbox waits for its agent's LLM, as in a real run. Returns its checkpoint."""
+    def fresh_target(self, sid: str, proc: bool, standby: bool = True) -> str:
+        """A new turn, made durable (and its standby ready: a CRIU one for
+        `proc`, a stopped fresh init for FS-only): the sandbox waits for its
+        agent's LLM, as in a real run. Returns its checkpoint."""
         since = self.client().last_event_seq()
         ck = self.turn(sid, f"echo {secrets.token_hex(4)} > /root/n")["checkpoint"]
         self.wait_durable(sid)
-        if proc:
+        if standby:
             try:
                 self.wait_event(sid, since, lambda e: e["kind"] == "standby.ready"
                                 and e["data"].get("checkpoint") == ck)
             except RuntimeError:
-                self.notes["cold_latest_proc"] += 1   # measured anyway: then it is the cold path
+                # measured anyway: then it is the cold path
+                self.notes["cold_latest_proc" if proc else "cold_latest_fs"] += 1
         return ck
 
     # -- measurements -----------------------------------------------------------------------------
@@ -247,6 +257,19 @@ class Bench:
             self.rt.exec(self.fs, ["true"])
             self.add("exec_true.runtime", _ms(t0, time.monotonic()))
 
+    def storm_round(self) -> None:
+        cmd = ["dd", "if=/dev/zero", "of=/dev/null", "bs=1", f"count={self.a.storm}"]
+        t0 = time.monotonic()
+        r = self.client().exec(self.fs, cmd)
+        self.add("storm.crabd", _ms(t0, time.monotonic()))
+        if r["exit_code"] != 0:
+            raise RuntimeError(f"the storm failed through crabd: {r}")
+        self.wait_durable(self.fs)
+        if self.docker is not None:
+            t0 = time.monotonic()
+            self.docker._docker("exec", self.docker.name, *cmd)
+            self.add("storm.docker", _ms(t0, time.monotonic()))
+
     def rollback_round(self) -> None:
         c = self.client()
         for sid, kind in ((self.fs, "fs"), (self.proc, "proc")):
@@ -264,7 +287,7 @@ class Bench:
     def fork_round(self) -> None:
         c = self.client()
         for sid, kind in ((self.fs, ""), (self.proc, "_proc")):
-            ck = self.fresh_target(sid, False)
+            ck = self.fresh_target(sid, False, standby=False)
             for n in (1, 8):
                 t0 = time.monotonic()
                 made = c.fork(ck, n)["sandboxes"]
@@ -339,6 +362,8 @@ class Bench:
         t0 = time.monotonic()
         for i in range(self.a.rounds):
             self.exec_round()
+            if self.a.storm:
+                self.storm_round()
             self.rollback_round()
             self.fork_round()
             self.kill_round()
@@ -359,9 +384,10 @@ class Bench:
             "exec_true_ms": {"crabd": p("exec_true.crabd"), "docker": p("exec_true.docker"),
                              "runtime": p("exec_true.runtime")},
             "restart_ms": {"serving": p("restart.serving"), "adopted": p("restart.adopted")},
+            "storm_ms": {"crabd": p("storm.crabd"), "docker": p("storm.docker"), "syscalls": 2 * self.a.storm},
             "notes": self.notes,
             "config": {"quick": self.a.quick, "rounds": self.a.rounds, "execs": self.a.execs,
-                       "restarts": self.a.restarts, "inspector": self.inspector, "image": IMAGE,
+                       "restarts": self.a.restarts, "storm": self.a.storm, "inspector": self.inspector, "image": IMAGE,
                        "docker": self.docker is not None, "wall_s": round(wall_s, 1),
                        "host": platform.node(), "kernel": platform.release(), "cpus": os.cpu_count(),
                        "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
@@ -391,6 +417,8 @@ def text(res: dict[str, Any]) -> str:
         if group in ("notes", "config"):
             continue
         for k, v in vals.items():
+            if not isinstance(v, dict):
+                continue
             p50 = "-" if v["p50"] is None else f"{v['p50']:.1f}"
             p99 = "-" if v["p99"] is None else f"{v['p99']:.1f}"
             lines.append(f"{group + '.' + k:34} {p50:>10} {p99:>10} {v['n']:>4}")
@@ -409,6 +437,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--inspector", choices=("bpf", "proc"), default="bpf",
                     help="crabd's inspector (bpf: the default, compiled at each start)")
     ap.add_argument("--no-docker", action="store_true", help="leave out the docker exec peer")
+    ap.add_argument("--storm", type=int, help="bytes the syscall storm copies one at a time "
+                                             "(default 1e6, --quick 2e5; 0: no storm)")
     ap.add_argument("--out", type=Path, help="also write results.json there")
     return ap
 
@@ -418,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     a.rounds = a.rounds if a.rounds is not None else (4 if a.quick else 12)
     a.execs = a.execs if a.execs is not None else (5 if a.quick else 10)
     a.restarts = a.restarts if a.restarts is not None else (2 if a.quick else 4)
+    a.storm = a.storm if a.storm is not None else (200_000 if a.quick else 1_000_000)
     b = Bench(a)
     try:
         b.setup()

@@ -120,14 +120,17 @@ class DeathWatch(DaemonBase):
                 if t.init_pid is None or pid_alive(t.init_pid):
                     continue
                 reap(t.init_pid)
-                try:
-                    sb = await asyncio.to_thread(self.runtime.get, sid)
-                except NotFound:
-                    continue
-                if sb.status == "running":
-                    t.init_pid = sb.pid
-                    continue
-                why = f"init exited ({sb.status})"
+                if self._no_tasks(sid):
+                    why = "init exited (stopped: no process left in its cgroup)"
+                else:  # another init may run (e.g. started meanwhile): runc knows
+                    try:
+                        sb = await asyncio.to_thread(self.runtime.get, sid)
+                    except NotFound:
+                        continue
+                    if sb.status == "running":
+                        t.init_pid = sb.pid
+                        continue
+                    why = f"init exited ({sb.status})"
             t.died = None
             await self._sandbox_died(sid, t, why)
         if retry and self._death_wake is not None:
@@ -174,12 +177,15 @@ class DeathWatch(DaemonBase):
         """Record the rolled-back sandbox's init for the death watch. A
         sandbox already not running (its restored processes were killed as
         they appeared) is marked dead for the watch, not left unwatched."""
-        sb = await asyncio.to_thread(self.runtime.get, sid)
-        t.init_pid = sb.pid
         t.died = None
+        # `_watch` recorded the new init: alive, it needs no `runc state`
+        # spawn here (a few ms of every rollback's reply, profiled).
+        if t.init_pid is None or not pid_alive(t.init_pid):
+            sb = await asyncio.to_thread(self.runtime.get, sid)
+            t.init_pid = sb.pid
+            if sb.status != "running" or (sb.pid is not None and not pid_alive(sb.pid)):
+                t.died = f"its restored processes died during the rollback (runc: {sb.status})"
         self.wake_death_watch()  # arm a pidfd for the new init now
-        if sb.status != "running" or (sb.pid is not None and not pid_alive(sb.pid)):
-            t.died = f"its restored processes died during the rollback (runc: {sb.status})"
         if not t.recovering:  # a rollback asked for by hand starts automatic recovery over
             t.recoveries.clear()
             t.gave_up = False
@@ -249,8 +255,21 @@ class DeathWatch(DaemonBase):
                 pass
         return target, older
 
+    def _no_tasks(self, sid: str) -> bool:
+        """Whether the sandbox's cgroup holds no task at all: then it is dead
+        without asking runc (a `runc state` spawn: a few ms of every
+        recovery, twice). Unknown (no cgroup) is not "no task"."""
+        procs = self.runtime.layout.freezer_dir(f"/crabd/{sid}") / "cgroup.procs"  # Sandbox.cgroup_rel
+        try:
+            return not procs.read_text().split()
+        except OSError:
+            return False
+
     def _live_init(self, sid: str) -> int | None:
-        """The sandbox's init pid if it runs (worker thread: asks runc)."""
+        """The sandbox's init pid if it runs (worker thread: asks runc
+        unless its cgroup is empty)."""
+        if self._no_tasks(sid):
+            return None
         try:
             sb = self.runtime.get(sid)
         except NotFound:

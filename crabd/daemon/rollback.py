@@ -14,12 +14,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 from deltafs.snapshotter import chaos_point  # CRABD_CHAOS: bench/chaos.py's kill points
 
 from ..errors import CrabdError, FailedPrecondition, InvalidArgument, NotFound
-from ..runtime import Limits
+from ..runtime import Limits, Sandbox
 from ..store import CheckpointRow, SandboxRow
 from .base import DaemonBase, Turns
 from .events import EventKind
@@ -29,6 +29,8 @@ from .plans import BLIND_RESTORED, is_complete
 log = logging.getLogger("crabd")
 
 __all__ = ["Rollback"]
+
+_OLD_ROOT = "_old_root"   # in _rollback_sync's result: a root snapshot to remove after the reply
 
 
 class Rollback(DaemonBase):
@@ -45,6 +47,9 @@ class Rollback(DaemonBase):
             await self._wait_capture(t)
             try:
                 out = await asyncio.to_thread(self._rollback_sync, row.id, checkpoint, reason, processes)
+                old_root = out.pop(_OLD_ROOT, None)
+                if old_root:
+                    self._later(self._remove_snapshot, old_root)
             except Exception:
                 self.metrics.rollbacks.labels(result="failed").inc()
                 raise
@@ -62,6 +67,15 @@ class Rollback(DaemonBase):
         self.metrics.rollbacks.labels(result="ok").inc()
         out["duration_ms"] = round((time.monotonic() - t0) * 1000, 3)
         return out
+
+    def _later(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run `fn(*args)` in a worker thread, off the caller's critical path
+        (its failure is logged)."""
+        def done(f: asyncio.Future[Any]) -> None:
+            if not f.cancelled() and f.exception() is not None:
+                log.warning("%s%s failed: %s", getattr(fn, "__name__", fn), args, f.exception())
+
+        asyncio.get_running_loop().run_in_executor(None, fn, *args).add_done_callback(done)
 
     def _latest_committed(self, row: SandboxRow) -> CheckpointRow:
         """The newest complete checkpoint on the sandbox's current line.
@@ -109,9 +123,15 @@ class Rollback(DaemonBase):
             self.inspector.unwatch(sid)
         except Exception:
             pass
-        promoted = self._promote_standby(sid, ck, row, timing) if processes else None
+        promoted = self._promote_standby(sid, ck, row, timing, processes)
         if promoted is not None:
-            return self._finish_rollback(sid, row, ck, promoted, "fs+proc (hot standby)", timing, reason)
+            restored = "fs+proc (hot standby)" if processes and ck.proc_image else "fs (standby)"
+            out = self._finish_rollback(sid, row, ck, promoted[0], restored, timing, reason, sb=promoted[1])
+            # The old root goes after the reply (a btrfs subvolume delete was
+            # ~a tenth of a promotion's rollback, profiled); unnamed by the
+            # store already, a restart removes it if this never runs.
+            out[_OLD_ROOT] = row.fs_key
+            return out
         t = time.monotonic()
         self.runtime.stop(sid)
         timing["stop"] = time.monotonic() - t
@@ -133,18 +153,22 @@ class Rollback(DaemonBase):
         return self._finish_rollback(sid, row, ck, new_key, restored, timing, reason)
 
     def _finish_rollback(self, sid: str, row: SandboxRow, ck: CheckpointRow, new_key: str, restored: str,
-                         timing: dict[str, float], reason: str) -> dict[str, Any]:
+                         timing: dict[str, float], reason: str, sb: Sandbox | None = None) -> dict[str, Any]:
+        """Record the rollback; `sb`: the sandbox as the promotion left it
+        (then nobody asks runc for it again)."""
+        t = time.monotonic()
         not_undone = self._effects_after(row.head, ck.id)
         ledger = self._ledger_report(sid, row, ck)
         with self.store.transaction():
             self.store.update_sandbox(sid, fs_key=new_key, head=ck.id, branch=row.branch + 1, state="running")
-        self._watch(sid)
+        self._watch(sid, sb)
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._schedule_standby_refresh, sid)
         self.events.emit(EventKind.SANDBOX_ROLLED_BACK, sid, checkpoint=ck.id, reason=reason, branch=row.branch + 1,
                          restored=restored, effects_not_undone=not_undone)
         if ledger["committed_after"] or ledger["unknown"]:
             self.events.emit(EventKind.EFFECTS_NOT_UNDONE, sid, checkpoint=ck.id, **ledger)
+        timing["record"] = time.monotonic() - t
         return {"sandbox": sid, "checkpoint": ck.id, "seq": ck.seq, "turn": ck.turn, "branch": row.branch + 1,
                 "restored": restored, "effects_not_undone": not_undone, "ledger": ledger,
                 "timing_ms": {k: round(v * 1000, 3) for k, v in timing.items()}}

@@ -18,7 +18,7 @@ from typing import Any
 from deltafs.snapshotter import chaos_point  # CRABD_CHAOS: bench/chaos.py's kill points
 
 from ..errors import NotFound
-from ..runtime import Limits
+from ..runtime import Limits, Sandbox
 from ..runtime.cgroups import sweep_standby_cgroups
 from ..store import CheckpointRow, SandboxRow
 from .base import DaemonBase, Turns
@@ -90,13 +90,15 @@ class Sandboxes(DaemonBase):
         self.events.emit(EventKind.SANDBOX_CREATED, sb.id, image=image, name=row.name, forked_from=row.forked_from)
         return row
 
-    def _watch(self, sid: str) -> None:
-        sb = self.runtime.get(sid)
+    def _watch(self, sid: str, sb: Sandbox | None = None) -> None:
+        """Watch the sandbox's cgroup and init; `sb`: already known (a runc
+        spawn less on a rollback's critical path)."""
+        sb = sb or self.runtime.get(sid)
         try:
             self.inspector.unwatch(sid)
         except Exception:
             pass
-        cg = self.runtime.cgroup_v2_dir(sid)
+        cg = self.runtime.layout.v2_dir(sb.cgroup_rel)
         self.inspector.watch(sid, cg, init_pid=sb.pid, outside_paths=_CRABD_PATHS)
         t = self.turns.setdefault(sid, Turns())
         t.init_pid = sb.pid
