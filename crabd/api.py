@@ -466,6 +466,8 @@ def make_app(daemon: Daemon, *, token: str | None = None, tokens: dict[str, str]
 
     from .api_effects import make_router as effects_router
     app.include_router(effects_router(daemon))  # effects ledger and budgets
+    from .remote.api import make_router as remote_router
+    app.include_router(remote_router(daemon))  # checkpoints pushed to / pulled from OCI registries
 
     @app.get("/v1/health")
     async def health() -> dict[str, Any]:

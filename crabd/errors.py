@@ -19,6 +19,8 @@
     │   └── ExecTimeout            the command outlived its timeout          (408)
     └── CommandFailed              an external tool (runc, debootstrap, ...)
                                    failed; carries argv and its stderr       (500)
+    (FailedPrecondition) └── RegistryError  an OCI registry refused or was
+                                   unreachable during a push/pull           (502)
 
 Foreign exceptions (subprocess, sqlite3, docker, OSError from the kernel) are
 converted where they enter crabd, with the context of what crabd was doing.
@@ -48,6 +50,7 @@ __all__ = [
     "CommandNotExecutable",
     "ExecTimeout",
     "CommandFailed",
+    "RegistryError",
     "by_code",
 ]
 
@@ -165,3 +168,10 @@ def by_code() -> dict[str, type[CrabdError]]:
         out.setdefault(cls.code, cls)
         todo += cls.__subclasses__()
     return out
+
+
+class RegistryError(FailedPrecondition):
+    """An OCI registry refused, failed or could not be reached during a push
+    or pull of a checkpoint (crabd.remote); nothing local was changed."""
+    code = "registry_error"
+    http_status = 502
