@@ -95,16 +95,12 @@ def write_layer(root: str, paths: list[bytes], whiteouts: list[bytes], out_dir: 
     fd, plain = tempfile.mkstemp(prefix="layer-", suffix=".tar", dir=out_dir)
     os.close(fd)
     try:
-        # The whiteouts first (tarfile: they exist on no disk), then GNU tar
-        # appends the real members to the same archive.
-        with tarfile.open(plain, "w", format=tarfile.PAX_FORMAT) as t:
-            for w in whiteouts:
-                ti = tarfile.TarInfo(os.fsdecode(b"./" + w))
-                ti.mode = 0o600
-                t.addfile(ti, io.BytesIO(b""))
+        # GNU tar writes the real members; tarfile then appends the whiteouts
+        # (they exist on no disk). Not the other way round: GNU tar appending
+        # to an archive tarfile began loses its sparse members' holes.
         if paths:
             listing = b"".join((b"./" + p if p else b".") + b"\0" for p in paths)
-            argv = ["tar", "--append", "--file", plain, "--directory", root, "--no-recursion", "--null",
+            argv = ["tar", "--create", "--file", plain, "--directory", root, "--no-recursion", "--null",
                     "--files-from=-", "--format=posix", "--pax-option=delete=atime,delete=ctime",
                     "--xattrs", "--xattrs-include=*", "--xattrs-exclude=trusted.overlay.*", "--sparse",
                     "--numeric-owner", "--acls"]
@@ -114,6 +110,11 @@ def write_layer(root: str, paths: list[bytes], whiteouts: list[bytes], out_dir: 
             if r.returncode != 0:
                 raise CommandFailed(argv, r.returncode, r.stderr.decode(errors="replace"),
                                     context="writing a file-system layer (tar)")
+        with tarfile.open(plain, "a" if paths else "w", format=tarfile.PAX_FORMAT) as t:
+            for w in whiteouts:
+                ti = tarfile.TarInfo(os.fsdecode(b"./" + w))
+                ti.mode = 0o600
+                t.addfile(ti, io.BytesIO(b""))
         fd, packed = tempfile.mkstemp(prefix="layer-", suffix=".tar.zst", dir=out_dir)
         h = hashlib.sha256()
         size = 0
