@@ -438,12 +438,36 @@ def rollback(sandbox: str, to: Optional[str] = typer.Option(None, "--to", help="
 
 
 @app.command()
-def fork(checkpoint: str, count: int = typer.Option(1, "--count"), socket: Optional[Path] = SocketOpt,
-         as_json: bool = JsonOpt) -> None:
-    """Create COUNT new sandboxes from a checkpoint (tree search)."""
+def fork(checkpoint: str, count: int = typer.Option(1, "--count"),
+         to: Optional[str] = typer.Option(None, "--to", help="fork onto another daemon through this registry "
+                                          "reference (HOST[:PORT]/REPO[:TAG]): push here, create there"),
+         target_socket: Optional[Path] = typer.Option(None, "--target-socket", help="with --to: the other "
+                                                      "daemon's API socket"),
+         registry_auth: Optional[str] = RegistryAuthOpt, insecure: bool = InsecureOpt,
+         socket: Optional[Path] = SocketOpt, as_json: bool = JsonOpt) -> None:
+    """Create COUNT new sandboxes from a checkpoint (tree search); with --to, on another daemon."""
+    if to is not None:
+        r = _guard(lambda: _fork_to(checkpoint, count, to, target_socket, registry_auth, insecure, socket), as_json)
+        _print_json(r) if as_json else out.print("\n".join(r["sandboxes"]))
+        return
     with err.status(f"forking {checkpoint} x{count} ..."):
         r = _guard(lambda: _client(socket).fork(checkpoint, count), as_json)
     _print_json(r) if as_json else out.print("\n".join(r["sandboxes"]))
+
+
+def _fork_to(checkpoint: str, count: int, ref: str, target_socket: Optional[Path], registry_auth: Optional[str],
+             insecure: bool, socket: Optional[Path]) -> dict[str, Any]:
+    """The source keeps running: its checkpoint is pushed once (pinned by
+    digest), then the target daemon creates COUNT sandboxes from it."""
+    if target_socket is None:
+        from .errors import InvalidArgument
+        raise InvalidArgument("--to needs --target-socket (the daemon to fork onto)")
+    pushed = _client(socket).push_checkpoint(checkpoint, ref, registry_auth=registry_auth, insecure=insecure)
+    target = _client(target_socket)
+    made = [target.pull_sandbox(pushed["pinned"], registry_auth=registry_auth, insecure=insecure)
+            for _ in range(count)]
+    return {"checkpoint": checkpoint, "reference": pushed["pinned"], "push": pushed,
+            "sandboxes": [m["sandbox"] for m in made], "created": made}
 
 
 @app.command()

@@ -19,11 +19,12 @@ from typing import Annotated, Any
 from fastapi import APIRouter
 from pydantic import Field
 
-from ..api import Id, Owner, StrictIn
+from ..api import Id, Name, Owner, StrictIn
+from .oci import REFERENCE_PATTERN
 
 __all__ = ["make_router"]
 
-Ref = Annotated[str, Field(min_length=3, max_length=512, pattern=r"^[^\s\x00]+$",
+Ref = Annotated[str, Field(max_length=512, pattern=REFERENCE_PATTERN,
                            description="HOST[:PORT]/REPOSITORY[:TAG][@sha256:...]")]
 Auth = Annotated[str, Field(min_length=1, max_length=4096, pattern=r"^[^\x00]*:[^\x00]*$")]
 
@@ -36,7 +37,7 @@ class PushIn(StrictIn):
 
 class PullIn(StrictIn):
     reference: Ref
-    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")] | None = None
+    name: Name | None = Field(None, description="a unique name for the new sandbox")
     registry_auth: Auth | None = None
     insecure: bool = False
     processes: bool = Field(True, description="restore the checkpoint's processes (CRIU); false: a fresh init")
@@ -47,7 +48,7 @@ def make_router(daemon: Any) -> APIRouter:
 
     r = APIRouter(tags=["remote"])
 
-    @r.post("/v1/checkpoints/{cid}/push")
+    @r.post("/v1/checkpoints/{cid}/push", name="push_checkpoint")
     async def push(cid: Id, body: PushIn, owner: Owner) -> dict[str, Any]:
         """Push the checkpoint to an OCI registry: its file-system layers, its CRIU image's chunks and a
         config, skipping every blob the registry already has."""
@@ -56,7 +57,7 @@ def make_router(daemon: Any) -> APIRouter:
         return await asyncio.to_thread(push_checkpoint, daemon, ck.id, body.reference, auth=body.registry_auth,
                                        insecure=body.insecure)
 
-    @r.post("/v1/sandboxes/pull", status_code=201)
+    @r.post("/v1/sandboxes/pull", status_code=201, name="pull_sandbox")
     async def pull(body: PullIn, owner: Owner) -> dict[str, Any]:
         """A new sandbox from a checkpoint in an OCI registry: its files and (CRIU) its processes."""
         return await asyncio.to_thread(pull_sandbox, daemon, body.reference, name=body.name, owner=owner or "",

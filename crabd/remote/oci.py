@@ -40,11 +40,15 @@ import httpx
 
 from ..errors import IntegrityError, InvalidArgument, RegistryError
 
-__all__ = ["Reference", "Registry", "parse_reference", "docker_credentials", "sha256_file"]
+__all__ = ["Reference", "Registry", "parse_reference", "REFERENCE_PATTERN", "docker_credentials", "sha256_file"]
 
 _LOCAL_HOSTS = {"localhost", "127.0.0.1", "[::1]", "::1"}
-_REPO_RE = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*$")
-_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
+_HOST = r"(?:localhost(?::[0-9]{1,5})?|[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+(?::[0-9]{1,5})?|[A-Za-z0-9-]+:[0-9]{1,5})"
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+# The whole grammar as one pattern: the API's schema states it, parse_reference applies it.
+REFERENCE_PATTERN = (rf"^({_HOST})/({_COMPONENT}(?:/{_COMPONENT})*)(?::([A-Za-z0-9_][A-Za-z0-9._-]{{0,127}}))?"
+                     r"(?:@(sha256:[0-9a-f]{64}))?$")
+_REF_RE = re.compile(REFERENCE_PATTERN)
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 _TIMEOUT = httpx.Timeout(30.0, read=300.0)
 
@@ -79,27 +83,15 @@ def parse_reference(ref: str) -> Reference:
     """Parse `host[:port]/repo[:tag][@digest]`; the host part is required
     (crabd has no default registry: a checkpoint must not go to Docker Hub
     by accident)."""
-    digest = None
-    if "@" in ref:
-        ref, digest = ref.split("@", 1)
-        if not _DIGEST_RE.match(digest):
-            raise InvalidArgument(f"bad digest {digest!r} in reference", fix="use @sha256:<64 hex digits>")
-    host, sep, rest = ref.partition("/")
-    if not sep or not ("." in host or ":" in host or host == "localhost"):
-        raise InvalidArgument(f"reference {ref!r} names no registry host",
-                              fix="write it as HOST[:PORT]/REPOSITORY[:TAG], e.g. 127.0.0.1:5000/crabd/sb1:turn3")
-    tag = None
-    last = rest.rsplit("/", 1)[-1]
-    if ":" in last:
-        rest, tag = rest.rsplit(":", 1)
-        if not _TAG_RE.match(tag):
-            raise InvalidArgument(f"bad tag {tag!r}", fix="tags are [A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
-    if not _REPO_RE.match(rest):
-        raise InvalidArgument(f"bad repository name {rest!r}",
-                              fix="lower-case letters, digits and separators (. _ - /), as OCI requires")
+    m = _REF_RE.fullmatch(ref)
+    if m is None:
+        raise InvalidArgument(f"reference {ref!r} is not HOST[:PORT]/REPOSITORY[:TAG][@sha256:DIGEST]",
+                              fix="e.g. 127.0.0.1:5000/crabd/sb1:turn3: the host is required (a dot, a port "
+                                  "or localhost), repositories are lower-case")
+    host, repo, tag, digest = m.groups()
     if tag is None and digest is None:
         tag = "latest"
-    return Reference(host, rest, tag, digest)
+    return Reference(host, repo, tag, digest)
 
 
 def docker_credentials(host: str, config_path: str | os.PathLike[str] | None = None) -> tuple[str, str] | None:

@@ -131,6 +131,15 @@ def test_basic_auth_explicit_and_from_docker_config(start_daemon, auth_registry,
     out = subprocess.run([CRABD, "sandbox", "create", "--from", pushed["pinned"], "--socket", str(b.socket),
                           "--json"], capture_output=True, timeout=300)
     assert out.returncode == 0 and json.loads(out.stdout)["status"] == "running", out.stderr
+    # fork --to: the source sandbox keeps running, the fork runs on B.
+    out = subprocess.run([CRABD, "fork", r["checkpoint"], "--to", f"{auth_registry.host}/crabd/auth:fork",
+                          "--target-socket", str(b.socket), "--registry-auth", "crab:s3cret",
+                          "--socket", str(a.socket), "--json"], capture_output=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    fork = json.loads(out.stdout)
+    assert len(fork["sandboxes"]) == 1 and fork["push"]["blobs_skipped"] >= 2, fork  # A's blobs were there
+    assert cb.exec(fork["sandboxes"][0], "cat /root/f")["stdout"] == "hi\n"
+    assert ca.exec(sid, "cat /root/f")["stdout"] == "hi\n"
 
 
 def test_registry_gone_mid_push_is_a_clear_error_and_nothing_is_lost(start_daemon, tmp_path):
