@@ -120,9 +120,9 @@ def write_layer(root: str, paths: list[bytes], whiteouts: list[bytes], out_dir: 
         size = 0
         with open(plain, "rb") as src, os.fdopen(fd, "wb") as dst:
             cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=-1)
-            with cctx.stream_writer(_Hashing(dst, h), closefd=False) as w:
+            with cctx.stream_writer(_Hashing(dst, h), closefd=False) as zw:  # type: ignore[arg-type]
                 while chunk := src.read(1 << 20):
-                    w.write(chunk)
+                    zw.write(chunk)
         size = os.path.getsize(packed)
         return LayerFile(packed, "sha256:" + h.hexdigest(), size, len(paths) + len(whiteouts))
     finally:
@@ -218,23 +218,23 @@ def apply_layer(path: str, root: str) -> int:
             "--exclude=.wh.*", "--warning=no-timestamp"]
     dctx = zstandard.ZstdDecompressor()
     with open(path, "rb") as f, tempfile.TemporaryFile() as errf:
-        p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=errf)
-        assert p.stdin is not None
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=errf)
+        assert proc.stdin is not None
         try:
             try:
-                dctx.copy_stream(f, p.stdin)
+                dctx.copy_stream(f, proc.stdin)
             except BrokenPipeError:
                 pass  # tar stopped early: its exit status and stderr say why
             finally:
-                p.stdin.close()
-            p.wait(timeout=TAR_TIMEOUT_S)
+                proc.stdin.close()
+            proc.wait(timeout=TAR_TIMEOUT_S)
         finally:
-            if p.poll() is None:  # an error or a timeout here: tar must not outlive the mount
-                p.kill()
-                p.wait()
+            if proc.poll() is None:  # an error or a timeout here: tar must not outlive the mount
+                proc.kill()
+                proc.wait()
         errf.seek(0)
         err = errf.read()
-    if p.returncode != 0:
-        raise CommandFailed(argv, p.returncode, err.decode(errors="replace"),
+    if proc.returncode != 0:
+        raise CommandFailed(argv, proc.returncode, err.decode(errors="replace"),
                             context="applying a file-system layer (tar)")
     return len(members)

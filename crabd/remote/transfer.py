@@ -171,8 +171,11 @@ def push_checkpoint(daemon: Any, cid: str, ref_text: str, *, auth: str | None = 
             fs_layers = []
             chain = _fs_chain(daemon.fs, ck.fs_snapshot)
             prev: str | None = None
+            prev_key = ""
             for name in chain:
-                key = f"{name}@{daemon.fs.stat(name).created}"
+                # The layer is a delta against `prev`: a retention that removes
+                # a snapshot reparents its child, whose layer then differs.
+                key = hashlib.sha256(f"{name}@{daemon.fs.stat(name).created}<-{prev_key}".encode()).hexdigest()[:40]
                 known = layers_memo.data.get(key)
                 if known and registry_has(known["digest"]):
                     stats["blobs_skipped"] += 1
@@ -191,6 +194,7 @@ def push_checkpoint(daemon: Any, cid: str, ref_text: str, *, auth: str | None = 
                     layers_memo.save()
                     fs_layers.append(known)
                 prev = name
+                prev_key = key
             proc = None
             packs: list[dict[str, Any]] = []
             if ck.proc_image:
@@ -205,7 +209,7 @@ def push_checkpoint(daemon: Any, cid: str, ref_text: str, *, auth: str | None = 
                             "lineage": sb.lineage},
                 "image": sb.image,
                 "parent_digest": parent_digest,
-                "fs": {"layers": [l["digest"] for l in fs_layers]},
+                "fs": {"layers": [x["digest"] for x in fs_layers]},
                 "proc": proc,
             }
             raw = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
@@ -220,7 +224,7 @@ def push_checkpoint(daemon: Any, cid: str, ref_text: str, *, auth: str | None = 
                 "mediaType": MANIFEST_TYPE,
                 "artifactType": ARTIFACT_TYPE,
                 "config": {"mediaType": CONFIG_TYPE, "digest": cfg_digest, "size": len(raw)},
-                "layers": [{"mediaType": FS_LAYER_TYPE, "digest": l["digest"], "size": l["size"]} for l in fs_layers]
+                "layers": [{"mediaType": FS_LAYER_TYPE, "digest": x["digest"], "size": x["size"]} for x in fs_layers]
                 + [{"mediaType": PROC_PACK_TYPE, "digest": p["digest"], "size": p["size"]} for p in packs],
                 "annotations": {"dev.crabd.checkpoint": ck.id, "dev.crabd.turn": str(ck.turn),
                                 "dev.crabd.image": sb.image,
@@ -331,9 +335,9 @@ def pull_sandbox(daemon: Any, ref_text: str, *, name: str | None = None, owner: 
             if len(raw) != cfg_desc.get("size", len(raw)):
                 raise IntegrityError(f"config of {ref} has the wrong size")
             config = json.loads(raw)
-            layer_descs = [l for l in manifest.get("layers", []) if l.get("mediaType") == FS_LAYER_TYPE]
-            pack_descs = {l["digest"]: l for l in manifest.get("layers", []) if l.get("mediaType") == PROC_PACK_TYPE}
-            digests = [l["digest"] for l in layer_descs]
+            layer_descs = [x for x in manifest.get("layers", []) if x.get("mediaType") == FS_LAYER_TYPE]
+            pack_descs = {x["digest"]: x for x in manifest.get("layers", []) if x.get("mediaType") == PROC_PACK_TYPE}
+            digests = [x["digest"] for x in layer_descs]
             if digests != config["fs"]["layers"]:
                 raise IntegrityError(f"{ref}: the manifest's layers are not the config's")
             image = config["image"]
