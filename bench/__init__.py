@@ -28,4 +28,5 @@ COMMANDS = {
     "latency": "latency",
     "docker": "docker",
     "zdtm": "zdtm",
+    "remote": "remote",
 }
