@@ -29,4 +29,5 @@ COMMANDS = {
     "docker": "docker",
     "zdtm": "zdtm",
     "ui": "ui",
+    "remote": "remote",
 }

@@ -503,6 +503,8 @@ def make_app(daemon: Daemon, *, token: str | None = None, tokens: dict[str, str]
     app.include_router(effects_router(daemon))  # effects ledger and budgets
     from .ui import mount as mount_ui
     mount_ui(app, daemon)  # the operator view (/ui) and its two read-only endpoints
+    from .remote.api import make_router as remote_router
+    app.include_router(remote_router(daemon))  # checkpoints pushed to / pulled from OCI registries
 
     @app.get("/v1/health")
     async def health() -> dict[str, Any]:

@@ -51,6 +51,9 @@ err = Console(stderr=True)
 StateDir = typer.Option(None, "--state-dir", envvar="CRABD_STATE_DIR", help="crabd's state directory",
                         show_default=str(config.DEFAULT_STATE_DIR))
 JsonOpt = typer.Option(False, "--json", help="print JSON instead of a table")
+RegistryAuthOpt = typer.Option(None, "--registry-auth", help="USER:PASSWORD for the registry (default: "
+                               "the daemon's ~/.docker/config.json auths)")
+InsecureOpt = typer.Option(False, "--insecure", help="plain HTTP to a registry that is not on localhost")
 
 
 def _state(state_dir: Optional[Path]) -> Path:
@@ -272,15 +275,36 @@ def _table(rows: list[dict[str, Any]], cols: list[str]) -> None:
 
 
 @sandbox_app.command("create")
-def sandbox_create(image: str, name: Optional[str] = typer.Option(None, "--name"),
+def sandbox_create(image: Optional[str] = typer.Argument(None, help="an image name (not with --from)"),
+                   name: Optional[str] = typer.Option(None, "--name"),
                    memory_mb: int = typer.Option(2048, "--memory-mb", help="memory limit (0 = none)"),
                    pids: int = typer.Option(1024, "--pids", help="process limit (0 = none)"),
                    cpus: float = typer.Option(0.0, "--cpus", help="CPU limit in cores (0 = none)"),
+                   from_ref: Optional[str] = typer.Option(None, "--from", help="a checkpoint pushed to an OCI "
+                                                          "registry: HOST[:PORT]/REPO[:TAG][@DIGEST]"),
+                   registry_auth: Optional[str] = RegistryAuthOpt, insecure: bool = InsecureOpt,
+                   no_processes: bool = typer.Option(False, "--no-processes", help="with --from: files only, "
+                                                     "a fresh init"),
                    socket: Optional[Path] = SocketOpt, as_json: bool = JsonOpt) -> None:
-    """Create and start a sandbox from an image."""
+    """Create and start a sandbox from an image, or (--from) from a checkpoint in a registry."""
+    if from_ref is not None:
+        if image is not None:
+            _guard(lambda: _fail_usage("give an image or --from, not both"), as_json)
+        r = _guard(lambda: _client(socket).pull_sandbox(from_ref, name=name, registry_auth=registry_auth,
+                                                        insecure=insecure, processes=not no_processes), as_json)
+        _print_json(r) if as_json else out.print(f"{r['sandbox']}  ({r['name']}, {r['status']}, restored "
+                                                 f"{r['restored']} from {r['from']})")
+        return
+    if image is None:
+        _guard(lambda: _fail_usage("give an image name, or --from REF"), as_json)
     lim = {"memory_bytes": memory_mb * 1024**2 or None, "pids": pids or None, "cpus": cpus or None}
     sb = _guard(lambda: _client(socket).create_sandbox(image, name=name, limits=lim), as_json)
     _print_json(sb) if as_json else out.print(f"{sb['id']}  ({sb['name']}, {sb['status']})")
+
+
+def _fail_usage(msg: str) -> None:
+    from .errors import InvalidArgument
+    raise InvalidArgument(msg)
 
 
 @sandbox_app.command("ls")
@@ -381,6 +405,17 @@ def checkpoint_rm(checkpoint: str, socket: Optional[Path] = SocketOpt, as_json: 
     _print_json({"removed": checkpoint}) if as_json else out.print(f"removed {checkpoint}")
 
 
+@checkpoint_app.command("push")
+def checkpoint_push(checkpoint: str, reference: str, registry_auth: Optional[str] = RegistryAuthOpt,
+                    insecure: bool = InsecureOpt, socket: Optional[Path] = SocketOpt, as_json: bool = JsonOpt) -> None:
+    """Push a checkpoint to an OCI registry as REFERENCE (HOST[:PORT]/REPO[:TAG]); blobs it has are skipped."""
+    r = _guard(lambda: _client(socket).push_checkpoint(checkpoint, reference, registry_auth=registry_auth,
+                                                       insecure=insecure), as_json)
+    _print_json(r) if as_json else out.print(
+        f"{r['pinned']}  ({r['blobs_pushed']} blobs pushed, {r['blobs_skipped']} skipped, "
+        f"{r['bytes_pushed']} of {r['bytes_total']} bytes sent)")
+
+
 @checkpoint_app.command("diff")
 def checkpoint_diff(a: str, b: str, socket: Optional[Path] = SocketOpt, as_json: bool = JsonOpt) -> None:
     """Files added, modified and deleted from checkpoint A to checkpoint B."""
@@ -407,12 +442,36 @@ def rollback(sandbox: str, to: Optional[str] = typer.Option(None, "--to", help="
 
 
 @app.command()
-def fork(checkpoint: str, count: int = typer.Option(1, "--count"), socket: Optional[Path] = SocketOpt,
-         as_json: bool = JsonOpt) -> None:
-    """Create COUNT new sandboxes from a checkpoint (tree search)."""
+def fork(checkpoint: str, count: int = typer.Option(1, "--count"),
+         to: Optional[str] = typer.Option(None, "--to", help="fork onto another daemon through this registry "
+                                          "reference (HOST[:PORT]/REPO[:TAG]): push here, create there"),
+         target_socket: Optional[Path] = typer.Option(None, "--target-socket", help="with --to: the other "
+                                                      "daemon's API socket"),
+         registry_auth: Optional[str] = RegistryAuthOpt, insecure: bool = InsecureOpt,
+         socket: Optional[Path] = SocketOpt, as_json: bool = JsonOpt) -> None:
+    """Create COUNT new sandboxes from a checkpoint (tree search); with --to, on another daemon."""
+    if to is not None:
+        r = _guard(lambda: _fork_to(checkpoint, count, to, target_socket, registry_auth, insecure, socket), as_json)
+        _print_json(r) if as_json else out.print("\n".join(r["sandboxes"]))
+        return
     with err.status(f"forking {checkpoint} x{count} ..."):
         r = _guard(lambda: _client(socket).fork(checkpoint, count), as_json)
     _print_json(r) if as_json else out.print("\n".join(r["sandboxes"]))
+
+
+def _fork_to(checkpoint: str, count: int, ref: str, target_socket: Optional[Path], registry_auth: Optional[str],
+             insecure: bool, socket: Optional[Path]) -> dict[str, Any]:
+    """The source keeps running: its checkpoint is pushed once (pinned by
+    digest), then the target daemon creates COUNT sandboxes from it."""
+    if target_socket is None:
+        from .errors import InvalidArgument
+        raise InvalidArgument("--to needs --target-socket (the daemon to fork onto)")
+    pushed = _client(socket).push_checkpoint(checkpoint, ref, registry_auth=registry_auth, insecure=insecure)
+    target = _client(target_socket)
+    made = [target.pull_sandbox(pushed["pinned"], registry_auth=registry_auth, insecure=insecure)
+            for _ in range(count)]
+    return {"checkpoint": checkpoint, "reference": pushed["pinned"], "push": pushed,
+            "sandboxes": [m["sandbox"] for m in made], "created": made}
 
 
 @app.command()

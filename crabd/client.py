@@ -53,6 +53,10 @@ def _raise(resp: httpx.Response) -> Any:
     raise e
 
 
+def _remote(reference: str, registry_auth: str | None, insecure: bool) -> dict[str, Any]:
+    return {"reference": reference, "registry_auth": registry_auth, "insecure": insecure}
+
+
 def _body(cmd: Sequence[str] | str, timeout: float | None, env: dict[str, str] | None, cwd: str | None,
           stdin: str | None) -> dict[str, Any]:
     b: dict[str, Any] = {"cmd": cmd if isinstance(cmd, str) else list(cmd), "timeout": timeout}
@@ -157,6 +161,19 @@ class Client:
 
     def fork(self, cid: str, count: int = 1) -> dict[str, Any]:
         return self._req("POST", f"/v1/checkpoints/{cid}/fork", json={"count": count})
+
+    # OCI registries (crabd/remote)
+    def push_checkpoint(self, cid: str, reference: str, *, registry_auth: str | None = None,
+                        insecure: bool = False) -> dict[str, Any]:
+        """Push checkpoint `cid` to `reference` (HOST[:PORT]/REPO[:TAG]); blobs the registry has are skipped."""
+        return self._req("POST", f"/v1/checkpoints/{cid}/push",
+                         json=_remote(reference, registry_auth, insecure))
+
+    def pull_sandbox(self, reference: str, *, name: str | None = None, registry_auth: str | None = None,
+                     insecure: bool = False, processes: bool = True) -> dict[str, Any]:
+        """A new sandbox from a pushed checkpoint: its files and its processes."""
+        return self._req("POST", "/v1/sandboxes/pull",
+                         json={**_remote(reference, registry_auth, insecure), "name": name, "processes": processes})
 
     # effects ledger and budgets (crabd/effects.py)
     def effect_intent(self, sid: str, op: str, *, key: str | None = None, args: Any = None,
@@ -331,6 +348,17 @@ class AsyncClient:
 
     async def fork(self, cid: str, count: int = 1) -> dict[str, Any]:
         return await self._req("POST", f"/v1/checkpoints/{cid}/fork", json={"count": count})
+
+    async def push_checkpoint(self, cid: str, reference: str, *, registry_auth: str | None = None,
+                              insecure: bool = False) -> dict[str, Any]:
+        return await self._req("POST", f"/v1/checkpoints/{cid}/push",
+                               json=_remote(reference, registry_auth, insecure))
+
+    async def pull_sandbox(self, reference: str, *, name: str | None = None, registry_auth: str | None = None,
+                           insecure: bool = False, processes: bool = True) -> dict[str, Any]:
+        return await self._req("POST", "/v1/sandboxes/pull",
+                               json={**_remote(reference, registry_auth, insecure), "name": name,
+                                     "processes": processes})
 
     async def effect_intent(self, sid: str, op: str, *, key: str | None = None, args: Any = None,
                             postcondition: str | None = None, volatile: Sequence[str] = (),

@@ -19,6 +19,8 @@
     │   └── ExecTimeout            the command outlived its timeout          (408)
     └── CommandFailed              an external tool (runc, debootstrap, ...)
                                    failed; carries argv and its stderr       (500)
+    (FailedPrecondition) └── RegistryError  an OCI registry refused or was
+                                   unreachable during a push/pull           (502)
 
 Foreign exceptions (subprocess, sqlite3, docker, OSError from the kernel) are
 converted where they enter crabd, with the context of what crabd was doing.
@@ -51,6 +53,7 @@ __all__ = [
     "CommandNotExecutable",
     "ExecTimeout",
     "CommandFailed",
+    "RegistryError",
     "by_code",
     "from_library",
 ]
@@ -157,6 +160,13 @@ class CommandFailed(CrabdError):
         tail = stderr.strip().splitlines()[-5:]
         what = context or " ".join(argv[:3])
         super().__init__(f"{what} failed (exit {returncode}): {' | '.join(tail) or 'no stderr'}", fix=fix)
+
+
+class RegistryError(FailedPrecondition):
+    """An OCI registry refused, failed or could not be reached during a push
+    or pull of a checkpoint (crabd.remote); nothing local was changed."""
+    code = "registry_error"
+    http_status = 502
 
 
 def by_code() -> dict[str, type[CrabdError]]:

@@ -338,6 +338,59 @@ class ImageStore:
         _atomic_write(p, blob, self.root / "tmp")
         return len(blob)
 
+    # transfer (crabd.remote packs chunks into registry blobs and back)
+    def chunk_frame(self, key: str) -> bytes:
+        """A chunk as stored: one zstandard frame (what a transfer ships)."""
+        if not _HEX.match(key):
+            raise InvalidArgument(f"bad chunk key {key!r}")
+        try:
+            return self._chunk_path(key).read_bytes()
+        except FileNotFoundError:
+            raise NotFound(f"chunk {key[:16]}... is not in the store") from None
+
+    def add_chunk_frame(self, key: str, frame: bytes, length: int) -> int:
+        """Store a chunk received as a zstandard frame, after checking that it
+        decodes to `length` bytes whose blake3 is `key`; the bytes written
+        (0 when the store has it). Raises ImageCorrupted otherwise."""
+        if not _HEX.match(key):
+            raise InvalidArgument(f"bad chunk key {key!r}")
+        try:
+            data = zstandard.ZstdDecompressor().decompress(frame, max_output_size=max(length, 1))
+        except zstandard.ZstdError as e:
+            raise ImageCorrupted("(transfer)", f"chunk {key[:16]}... does not decode: {e}") from None
+        if len(data) != length or blake3.blake3(data).hexdigest() != key:
+            raise ImageCorrupted("(transfer)", f"chunk {key[:16]}... does not match its key")
+        p = self._chunk_path(key)
+        if p.exists():
+            return 0
+        p.parent.mkdir(exist_ok=True)
+        _atomic_write(p, frame, self.root / "tmp")
+        return len(frame)
+
+    def adopt(self, checkpoint_id: str, doc: dict, *, meta: dict | None = None) -> Manifest:  # type: ignore[type-arg]
+        """Store another store's manifest `doc` (checked against its own
+        digest) as `checkpoint_id`; its chunks must be here already (see
+        add_chunk_frame). The image is verified chunk by chunk before this
+        returns; on a mismatch nothing stays."""
+        _check_id(checkpoint_id)
+        if self.exists(checkpoint_id):
+            raise AlreadyExists(f"checkpoint {checkpoint_id!r} already has a process image")
+        try:
+            body = {k: doc[k] for k in ("version", "checkpoint_id", "created", "meta", "files")}
+            ok = body["version"] == MANIFEST_VERSION and Manifest.digest_of(body) == doc["digest"]
+        except (KeyError, TypeError) as e:
+            raise ImageCorrupted(checkpoint_id, f"received manifest lacks {e}") from None
+        if not ok:
+            raise ImageCorrupted(checkpoint_id, "received manifest does not match its digest")
+        body = {**body, "checkpoint_id": checkpoint_id, "meta": {**body["meta"], **(meta or {})}}
+        raw = json.dumps({**body, "digest": Manifest.digest_of(body)}).encode()
+        _atomic_write(self._manifest_path(checkpoint_id), raw, self.root / "tmp")
+        try:
+            return self.verify(checkpoint_id)
+        except BaseException:
+            self._manifest_path(checkpoint_id).unlink(missing_ok=True)
+            raise
+
     def get(self, checkpoint_id: str, dest: str | os.PathLike[str]) -> Manifest:
         """Write the image into directory `dest`, checking every chunk and
         file digest on the way; only a fully verified image is returned.

@@ -74,6 +74,8 @@ FEATURES: dict[str, tuple[Callable[[], bool], str, str]] = {
                 "the busybox test image is not cached and /bin/busybox is missing", SETUP + " (installs busybox-static)"),
     "browser": (lambda: shutil.which("chromium") is not None and importlib.util.find_spec("playwright") is not None,
                 "Debian's chromium or the playwright package is missing", SETUP + " (installs chromium)"),
+    "registry": (lambda: Path("/usr/bin/docker-registry").exists() and shutil.which("htpasswd") is not None,
+                 "Debian's docker-registry or apache2-utils' htpasswd is missing", SETUP + " (installs docker-registry)"),
     "debian-py": (lambda: _image("debian-py", "debootstrap"),
                   f"the debian-py test image is not in {TEST_STATE}/images and debootstrap is missing", SETUP),
 }
