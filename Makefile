@@ -34,7 +34,7 @@ demo:
 	@$(AS_ROOT) scripts/setup-host && .venv/bin/python scripts/demo.py
 
 test:
-	@$(AS_ROOT) scripts/setup-host && .venv/bin/python -m pytest -q -ra $(PYTEST_ARGS) tests
+	@$(AS_ROOT) scripts/setup-host && scripts/run-tests $(PYTEST_ARGS)
 
 unit:
 	@.venv/bin/python -m pytest -q tests/unit

@@ -173,13 +173,23 @@ def test_restore_killed_half_way_falls_back_on_intact_files(start_daemon, tmp_pa
     good = _committed(c, c.exec(sid, "echo one > /root/f")["checkpoint"])
     assert good["proc_image"], good
     ev0 = max((e["seq"] for e in c.events()), default=0)
-    for attempt in range(2):  # twice: the first fallback leaves nothing in the way of the next
+    kills = tries = 0
+    while kills < 2:  # twice: the first fallback leaves nothing in the way of the next
+        tries += 1
+        assert tries <= 8, "the wrapper never caught a restore in progress"
         ctrl.write_text("restore-killrunc")
         try:
             out = c.rollback(sid, good["id"])
         finally:
             ctrl.write_text("")
-        assert "killed runc and CRIU" in (tmp_path / "criu.mode.log").read_text(), "the wrapper killed nothing"
+        log = tmp_path / "criu.mode.log"
+        if "killed runc and CRIU" not in log.read_text():
+            # the wrapper's poll missed the restored task (a fast restore):
+            # a whole restore, then; the kill is tried again
+            assert out["restored"].startswith("fs+proc"), out
+            log.unlink()
+            continue
+        kills += 1
         assert out["restored"] == "fs", out
         assert c.sandbox(sid)["status"] == "running"
         assert c.exec(sid, "cat /root/f")["stdout"].strip() == "one"
