@@ -49,6 +49,29 @@ def live(runtime, busybox_image):
         yield d, base
 
 
+# Push and pull talk to the OCI registry a request names: a generated host
+# has none, and the answer is then a 502 registry_error by design. Their
+# request validation is in tests/unit/crabd/test_api_schema.py, their
+# behaviour against a real registry in test_registry.py.
+REMOTE = ("/v1/checkpoints/{cid}/push", "/v1/sandboxes/pull")
+
+
+def _without_remote(spec: dict[str, Any]) -> dict[str, Any]:
+    """The spec without push and pull, and without the links to them."""
+    import copy
+    out = copy.deepcopy(spec)
+    gone = {op.get("operationId") for p in REMOTE for op in out["paths"].get(p, {}).values()}
+    out["paths"] = {p: v for p, v in out["paths"].items() if p not in REMOTE}
+    for ops in out["paths"].values():
+        for op in ops.values():
+            for resp in (op.get("responses") or {}).values():
+                links = resp.get("links") if isinstance(resp, dict) else None
+                if links:
+                    resp["links"] = {k: v for k, v in links.items()
+                                     if v.get("operationId") not in gone and k not in gone}
+    return out
+
+
 def _cap_exec(case: Any) -> Any:
     # A generated shell string could in principle be a command that never
     # ends: keep every exec on the real sandbox short.
@@ -65,7 +88,7 @@ def test_schemathesis_no_5xx_and_responses_match_the_schema(live: Any) -> None:
     ck = alice.ok("POST", f"/v1/sandboxes/{sid}/checkpoints")["id"]
     real = {"sid": sid, "cid": ck, "a": f"{sid}-0", "b": ck}
 
-    schema = schemathesis.openapi.from_dict(spec)
+    schema = schemathesis.openapi.from_dict(_without_remote(spec))
     session = requests.Session()
     headers = {"authorization": f"Bearer {ALICE}"}
     statuses: Counter[int] = Counter()
@@ -128,7 +151,7 @@ def test_schemathesis_no_5xx_and_responses_match_the_schema(live: Any) -> None:
 
 # --- stateful: sequences that follow the schema's links ------------------------------------------
 # 25 scenarios of up to 10 steps: ~230 requests, ~40 s here (sandbox creates dominate).
-STATEFUL = {"scenarios": 25, "steps": 10}
+STATEFUL = {"scenarios": 40, "steps": 10}
 
 
 def _positive_422(response: Any, case: Any) -> None:
@@ -153,7 +176,7 @@ def test_stateful_links_reach_real_sandboxes_checkpoints_and_effects(live: Any) 
     d, base = live
     alice = As(base, ALICE)
     spec = alice.ok("GET", "/openapi.json")
-    schema = schemathesis.openapi.from_dict(spec)
+    schema = schemathesis.openapi.from_dict(_without_remote(spec))
     session = requests.Session()
     headers = {"authorization": f"Bearer {ALICE}"}
     statuses: dict[str, Counter[int]] = {}
