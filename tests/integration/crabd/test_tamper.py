@@ -60,16 +60,24 @@ def settled(api: As, cid: str) -> dict[str, Any]:
 
 
 def committed(api: As, cid: str) -> dict[str, Any]:
+    """The checkpoint once committed and sized. Sizing is idle work after the
+    commit that re-signs the row (`bytes` is signed): a row tampered before it
+    keeps its wrong digest for good (crabd never launders one), so a test that
+    tampers and then restores a row must start from the final row."""
     c = settled(api, cid)
-    assert c["state"] == "committed", c
-    return c
+    assert c["state"] == "committed", (c.get("error"), c)
+
+    def sized() -> dict[str, Any] | None:
+        now = api.ok("GET", f"/v1/checkpoints/{cid}")
+        return now if "size" in now["durations"] or now["seq"] == 0 else None
+    return wait_until(sized, f"sized checkpoint {cid}")  # type: ignore[return-value]
 
 
 def sandbox_with_checkpoint(api: As) -> tuple[str, dict[str, Any]]:
     """A sandbox whose checkpoint ck holds /root/data = "original", then changed to "current"."""
     sid = api.ok("POST", "/v1/sandboxes", json={"image": "busybox"})["id"]
     api.ok("POST", f"/v1/sandboxes/{sid}/exec", json={"cmd": "echo original > /root/data; echo z > /root/z"})
-    ck = api.ok("POST", f"/v1/sandboxes/{sid}/checkpoints")
+    ck = committed(api, api.ok("POST", f"/v1/sandboxes/{sid}/checkpoints")["id"])
     assert ck["seals"]["fs"], ck
     api.ok("POST", f"/v1/sandboxes/{sid}/exec", json={"cmd": "echo current > /root/data"})
     return sid, ck
