@@ -17,17 +17,25 @@ What is in it, and why:
   "Can't connect inet socket back: Network is unreachable".
 - Docker's default capability set and device rules (mknod allowed, access
   to devices not), masked /proc paths, read-only /sys.
-- No seccomp profile: CRIU dumps and restores seccomp state, but a profile
-  would be one more thing to keep in sync with CRIU's needs; the sandbox is
-  a container, not a security boundary against root in the sandbox.
+- A seccomp filter that allows everything but the kernel state no
+  checkpoint can hold (`SECCOMP`): the kernel keyrings are not namespaced
+  (the sandbox's uid 0 is the host's, so `add_key` wrote the host root's
+  keyring, outlived every rollback and was shared by all sandboxes), and
+  CRIU does not save POSIX message queues. Refusing them (EPERM for the
+  keyring calls, as Docker's default profile does; ENOSYS for `mq_*`, so a
+  program takes its fallback) is the alternative to losing them silently on
+  the next rollback. /dev/mqueue is read-only for the same reason (a queue
+  can be made by `open` there). CRIU dumps and restores the filter with the
+  processes; `runc exec` applies it to each command.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Limits", "INIT_PATH", "RUN_PATH", "build_config", "loopback_hook", "DEFAULT_ENV"]
+__all__ = ["Limits", "SECCOMP", "KEYRING_CALLS", "MQUEUE_CALLS", "INIT_PATH", "RUN_PATH", "build_config", "loopback_hook", "DEFAULT_ENV"]
 
 INIT_PATH = "/dev/.crabd-init"
 # Per-sandbox host directory for exec status fifos (see init.c, mode 2).
@@ -51,6 +59,21 @@ _MASKED = [
     "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi",
     "/sys/firmware",
 ]
+# Architectures whose syscall numbers the rules cover (a 32-bit binary calls
+# keyctl by another number; libseccomp maps the names per architecture).
+_SECCOMP_ARCHES = ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"]
+KEYRING_CALLS = ("add_key", "keyctl", "request_key")
+MQUEUE_CALLS = ("mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify", "mq_getsetattr")
+EPERM, ENOSYS = 1, 38
+SECCOMP: dict[str, Any] = {
+    "defaultAction": "SCMP_ACT_ALLOW",
+    "architectures": _SECCOMP_ARCHES,
+    "syscalls": [
+        {"names": list(KEYRING_CALLS), "action": "SCMP_ACT_ERRNO", "errnoRet": EPERM},
+        {"names": list(MQUEUE_CALLS), "action": "SCMP_ACT_ERRNO", "errnoRet": ENOSYS},
+    ],
+}
+
 _READONLY = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
 
 
@@ -140,7 +163,7 @@ def build_config(*, sandbox_id: str, init_source: str, run_source: str, cgroups_
             {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
              "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
             {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue",
-             "options": ["nosuid", "noexec", "nodev"]},
+             "options": ["nosuid", "noexec", "nodev", "ro"]},
             {"destination": "/sys", "type": "sysfs", "source": "sysfs",
              "options": ["nosuid", "noexec", "nodev", "ro"]},
             {"destination": INIT_PATH, "type": "bind", "source": init_source,
@@ -155,6 +178,7 @@ def build_config(*, sandbox_id: str, init_source: str, run_source: str, cgroups_
             "namespaces": namespaces,
             "maskedPaths": list(_MASKED),
             "readonlyPaths": list(_READONLY),
+            "seccomp": copy.deepcopy(SECCOMP),
         },
     }
     if hooks:
