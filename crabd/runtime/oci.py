@@ -169,7 +169,7 @@ def build_config(*, sandbox_id: str, init_source: str, run_source: str, cgroups_
             {"destination": INIT_PATH, "type": "bind", "source": init_source,
              "options": ["bind", "ro", "nosuid", "nodev"]},
             {"destination": RUN_PATH, "type": "bind", "source": run_source,
-             "options": ["bind", "rw", "nosuid", "nodev", "noexec"]},
+             "options": ["bind", "ro", "nosuid", "nodev", "noexec"]},
         ],
         "annotations": dict(annotations or {}),
         "linux": {

@@ -1,4 +1,4 @@
-"""Kernel state a sandbox could change that no checkpoint can hold.
+"""State a sandbox could change that no checkpoint holds.
 
 Kernel keyrings are not namespaced: a sandbox runs as the host's uid 0, so
 `add_key` into its user or session keyring changes the host's root keyring,
@@ -6,7 +6,10 @@ outlives every rollback and is shared by every sandbox. CRIU does not save
 POSIX message queues. Both are refused inside a sandbox (a seccomp rule:
 EPERM for the keyring calls, as Docker's default profile does; ENOSYS for
 `mq_open`, so programs take their fallback), instead of being lost silently
-on the next rollback. Everything else a sandbox does still works, a
+on the next rollback. crabd's exec plumbing, a host directory bound at
+/dev/.crabd, is read-only inside (its status fifos still take writes): a
+file written there landed in the host's state directory, outside every
+snapshot and disk limit, and survived rollbacks. Everything else a sandbox does still works, a
 checkpoint with processes still dumps and restores under the filter, and a
 restored process keeps it."""
 
@@ -76,5 +79,18 @@ def test_processes_under_the_filter_dump_and_restore(daemon):
         assert c.exec(sid, f"grep -E '^(State|Seccomp):' /proc/{pid}/status")["stdout"].split() == \
             ["State:", "S", "(sleeping)", "Seccomp:", "2"]
         assert _run(c, sid, KEYRING)["add_key"] == (-1, 1)
+    finally:
+        c.delete_sandbox(sid)
+
+
+def test_crabds_plumbing_directory_takes_no_files(daemon):
+    c = daemon.client()
+    sid = c.create_sandbox("debian-py")["id"]
+    try:
+        r = c.exec(sid, "echo leak > /dev/.crabd/leak; mkdir /dev/.crabd/d")
+        assert r["exit_code"] != 0 and "Read-only" in r["stderr"], r
+        left = c.exec(sid, "ls -A /dev/.crabd")["stdout"].split()
+        assert all(n.startswith("exec-") and n.endswith(".fifo") for n in left), left  # (this exec's own fifo)
+        assert c.exec(sid, "echo still works")["stdout"] == "still works\n"
     finally:
         c.delete_sandbox(sid)
