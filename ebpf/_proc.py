@@ -8,6 +8,7 @@ reads the real /proc, `ebpf.testing.FakeProcessTable` is its fake.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from collections.abc import Callable
@@ -38,10 +39,16 @@ class ProcInfo:
     # message, a connection or a pipe's bytes sent to (or drained from) a
     # process that does not read changes its state without running it too.
     queued: str = ""
+    # The files it holds (its fds' paths, cwd, root, executable, mapped
+    # files: `held_files`): a later turn's process that deletes or renames
+    # one changes this process without running it, and its process image
+    # then names a path that the turn's snapshot no longer has (a restore
+    # of the older image fails, and the processes were lost).
+    held: str = ""
 
     def ran_since(self, before: ProcInfo) -> bool:
         return (self.running or self.cpu != before.cpu or self.switches != before.switches
-                or self.pending != before.pending or self.queued != before.queued)
+                or self.pending != before.pending or self.queued != before.queued or self.held != before.held)
 
 
 class ProcessTable(Protocol):
@@ -70,6 +77,43 @@ def _stat_fields(text: str) -> tuple[str, list[str]]:
     # comm may hold spaces and parentheses: split at the last ')'
     lpar, rpar = text.index("("), text.rindex(")")
     return text[lpar + 1 : rpar], text[rpar + 2 :].split()
+
+
+def fd_links(pid: int) -> dict[int, str]:
+    """fd -> what /proc/PID/fd/FD names ('/path', 'socket:[N]', 'pipe:[N]',
+    '/path (deleted)', ...); {} when the process is gone."""
+    out: dict[int, str] = {}
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return out
+    for fd in fds:
+        try:
+            out[int(fd)] = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+    return out
+
+
+def held_files(pid: int, links: dict[int, str]) -> str:
+    """A fingerprint of the files `pid` holds: the paths of its fds, its
+    cwd, root and executable, and the files it maps, as the kernel names
+    them now (a deleted one gets " (deleted)", a renamed one its new
+    path). Only the set of paths counts: a write to a held file is not a
+    change of this process (the snapshot has the file's content)."""
+    paths = {link for link in links.values() if link.startswith("/")}
+    for name in ("cwd", "root", "exe"):
+        try:
+            paths.add(f"{name}={os.readlink(f'/proc/{pid}/{name}')}")
+        except OSError:
+            continue
+    for line in (_read(f"/proc/{pid}/maps") or "").splitlines():
+        parts = line.split(None, 5)
+        if len(parts) == 6 and parts[5].startswith("/"):
+            paths.add(parts[5])
+    if not paths:
+        return ""
+    return hashlib.blake2b("\0".join(sorted(paths)).encode("utf-8", "surrogateescape"), digest_size=12).hexdigest()
 
 
 class HostProcessTable:
@@ -115,8 +159,10 @@ class HostProcessTable:
                     shared = line.split()[1]
         raw = _read(f"/proc/{pid}/cmdline") or ""
         cmdline = tuple(a for a in raw.split("\0") if a) if raw else ()
+        links = fd_links(pid)
         return ProcInfo(pid, start, cpu, switches, running, comm, cmdline,
-                        " ".join(sorted(pending) + [f"shared:{shared}"]), queues(pid))
+                        " ".join(sorted(pending) + [f"shared:{shared}"]), queues(pid, links),
+                        held_files(pid, links))
 
     def blocked_calls(self, pid: int) -> dict[int, int]:
         out: dict[int, int] = {}

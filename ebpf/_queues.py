@@ -52,24 +52,16 @@ _SYS_PIDFD_GETFD = 438  # the same number on every architecture (asm-generic)
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _fds(pid: int) -> tuple[set[int], list[int]]:
+def _fds(pid: int, links: dict[int, str]) -> tuple[set[int], list[int]]:
     """The inodes of `pid`'s sockets, and its fds that are pipes, FIFOs or
-    inotify instances."""
+    inotify instances (`links`: ebpf._proc.fd_links)."""
     sockets: set[int] = set()
     others: list[int] = []
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return sockets, others
-    for fd in fds:
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
+    for fd, link in links.items():
         if link.startswith("socket:["):
             sockets.add(int(link[8:-1]))
-        elif link.startswith("pipe:[") or link == "anon_inode:inotify" or _is_fifo(pid, fd):
-            others.append(int(fd))
+        elif link.startswith("pipe:[") or link == "anon_inode:inotify" or _is_fifo(pid, str(fd)):
+            others.append(fd)
     return sockets, others
 
 
@@ -156,11 +148,11 @@ def _all_queues() -> dict[int, int]:
     return out
 
 
-def queues(pid: int) -> str:
+def queues(pid: int, links: dict[int, str]) -> str:
     """A fingerprint of what waits in `pid`'s sockets, pipes, FIFOs and
-    inotify instances ("" if it holds none). A socket whose queue cannot be
-    read makes it "?"."""
-    inodes, others = _fds(pid)
+    inotify instances ("" if it holds none), given its fds (`links`:
+    ebpf._proc.fd_links). A socket whose queue cannot be read makes it "?"."""
+    inodes, others = _fds(pid, links)
     parts = [f"fd{fd}:{n}" for fd, n in sorted(_waiting(pid, others).items())] if others else []
     if inodes:
         from deltacr.netns import in_netns  # the one setns helper (a thread enters the namespace)

@@ -87,7 +87,7 @@ def classify(effects: Effects) -> Plan:
     if e.exited_processes:
         need(proc, f"{len(e.exited_processes)} process(es) of the last checkpoint exited: {_pids(e.exited_processes)}")
     if e.active_processes:
-        need(proc, f"{len(e.active_processes)} older process(es) ran during the turn: {_pids(e.active_processes)}")
+        need(proc, f"{len(e.active_processes)} older process(es) ran or were changed during the turn (signals, queued data, files they hold deleted or renamed): {_pids(e.active_processes)}")
     live = [s for s in e.listening if s.alive]
     if live:
         need(proc, "listening socket(s): " + ", ".join(f"{s.address} (pid {s.pid})" for s in live[:3]))
