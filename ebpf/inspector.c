@@ -622,30 +622,42 @@ TRACEPOINT_PROBE(syscalls, sys_enter_mount_setattr)
 }
 
 /* Kernel objects that outlive their creator and live in neither the file
- * system snapshot nor a process: System V IPC, POSIX message queues. */
-TRACEPOINT_PROBE(syscalls, sys_enter_shmget) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, 0, 0, 1); }
-TRACEPOINT_PROBE(syscalls, sys_enter_msgget) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, 0, 0, 2); }
-TRACEPOINT_PROBE(syscalls, sys_enter_semget) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, 0, 0, 3); }
+ * system snapshot nor a process: System V IPC, POSIX message queues.
+ * KERNEL_OBJECT(syscall, kind, name): an event of `kind` (the numbers
+ * ebpf/_turn.py's _KOBJ names) with the object's name, a user string or 0. */
+#define KOBJ_SHM 1
+#define KOBJ_MSG 2
+#define KOBJ_SEM 3
+#define KOBJ_MQ 4
+#define KERNEL_OBJECT(name, kind, NAME)                                        \
+    TRACEPOINT_PROBE(syscalls, sys_enter_##name)                               \
+    {                                                                          \
+        return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, (const void *)(NAME), \
+                            0, kind);                                          \
+    }
+KERNEL_OBJECT(shmget, KOBJ_SHM, 0)
+KERNEL_OBJECT(msgget, KOBJ_MSG, 0)
+KERNEL_OBJECT(semget, KOBJ_SEM, 0)
 /* Any open of a queue: one opened without O_CREAT can still be sent to,
  * received from (a message consumed) or have its attributes set. */
-TRACEPOINT_PROBE(syscalls, sys_enter_mq_open) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, args->u_name, 0, 4); }
+KERNEL_OBJECT(mq_open, KOBJ_MQ, args->u_name)
 /* ... and every operation on such an object: its id needs no *get call in
  * the same turn (ids are small integers, listed by /proc/sysvipc and
  * `ipcs`; `ipcrm -q ID` removes a queue with msgctl alone), and a message
  * received or a semaphore taken changes it as much as one sent. */
-TRACEPOINT_PROBE(syscalls, sys_enter_shmat) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, 0, 0, 1); }
-TRACEPOINT_PROBE(syscalls, sys_enter_shmctl) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, 0, 0, 1); }
-TRACEPOINT_PROBE(syscalls, sys_enter_msgsnd) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, 0, 0, 2); }
-TRACEPOINT_PROBE(syscalls, sys_enter_msgrcv) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, 0, 0, 2); }
-TRACEPOINT_PROBE(syscalls, sys_enter_msgctl) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, 0, 0, 2); }
-TRACEPOINT_PROBE(syscalls, sys_enter_semop) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, 0, 0, 3); }
-TRACEPOINT_PROBE(syscalls, sys_enter_semtimedop) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, 0, 0, 3); }
-TRACEPOINT_PROBE(syscalls, sys_enter_semctl) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, 0, 0, 3); }
-TRACEPOINT_PROBE(syscalls, sys_enter_mq_timedsend) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, 0, 0, 4); }
-TRACEPOINT_PROBE(syscalls, sys_enter_mq_timedreceive) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, 0, 0, 4); }
-TRACEPOINT_PROBE(syscalls, sys_enter_mq_getsetattr) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, 0, 0, 4); }
-TRACEPOINT_PROBE(syscalls, sys_enter_mq_notify) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, 0, 0, 4); }
-TRACEPOINT_PROBE(syscalls, sys_enter_mq_unlink) { return simple_event(EV_KERNEL_OBJECT, AT_FDCWD_, args->u_name, 0, 4); }
+KERNEL_OBJECT(shmat, KOBJ_SHM, 0)
+KERNEL_OBJECT(shmctl, KOBJ_SHM, 0)
+KERNEL_OBJECT(msgsnd, KOBJ_MSG, 0)
+KERNEL_OBJECT(msgrcv, KOBJ_MSG, 0)
+KERNEL_OBJECT(msgctl, KOBJ_MSG, 0)
+KERNEL_OBJECT(semop, KOBJ_SEM, 0)
+KERNEL_OBJECT(semtimedop, KOBJ_SEM, 0)
+KERNEL_OBJECT(semctl, KOBJ_SEM, 0)
+KERNEL_OBJECT(mq_timedsend, KOBJ_MQ, 0)
+KERNEL_OBJECT(mq_timedreceive, KOBJ_MQ, 0)
+KERNEL_OBJECT(mq_getsetattr, KOBJ_MQ, 0)
+KERNEL_OBJECT(mq_notify, KOBJ_MQ, 0)
+KERNEL_OBJECT(mq_unlink, KOBJ_MQ, args->u_name)
 
 /* Effects we cannot see through: io_uring submissions, writes into another
  * process's memory, a file description taken from another process,

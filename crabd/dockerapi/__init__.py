@@ -18,7 +18,10 @@ Modules:
   bytes both ways), which ASGI servers cannot hand over.
 - `shapes`: pure translation between Docker's JSON and crabd's terms
   (refused options, limits, ids, names, stream framing, file modes).
-- `engine`: the routes, calling the Daemon's public methods.
+- `engine`: containers as sandboxes (their state, main commands, stop and
+  remove), calling the Daemon's public methods, and the system routes;
+  the other routes by kind: `images`, `containers`, `execs`, `archive`
+  (`docker cp`), `checkpoints`.
 
 What crabd cannot honour (published ports, host bind mounts, privileged,
 ...) is refused with a Docker-shaped 400 `{"message": ...}`, never ignored.

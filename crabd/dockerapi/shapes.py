@@ -309,3 +309,13 @@ def status_text(status: str, exit_code: int, started: float | None, finished: fl
     if status == "exited":
         return f"Exited ({exit_code}) {_ago(now - (finished or now))} ago"
     return status.capitalize()
+
+
+def env_dict(pairs: list[str]) -> dict[str, str]:
+    """Docker's ["K=V", ...] (a bare "K" takes nothing: crabd has no host env to copy)."""
+    env: dict[str, str] = {}
+    for e in pairs:
+        k, eq, v = e.partition("=")
+        if k and eq:
+            env[k] = v
+    return env

@@ -30,18 +30,19 @@ HOLDER = "mkdir -p /work; echo first > /work/f; (setsid sleep 3600 3>>/work/f </
 
 pytestmark = pytest.mark.needs("runc", "criu", "bpf", "busybox", "debian-py")
 
-_cleanup: list = []
-
 
 @pytest.fixture(scope="module")
 def daemon(module_daemon):
     return module_daemon(images=("busybox", "debian-py"))
 
 
-def teardown_function() -> None:
-    while _cleanup:
-        c, sid = _cleanup.pop()
-        c.delete_sandbox(sid)
+@pytest.fixture
+def sandbox(daemon):
+    """A debian-py sandbox of the module's daemon: (client, sandbox id)."""
+    c = daemon.client()
+    sid = c.create_sandbox("debian-py")["id"]
+    yield c, sid
+    c.delete_sandbox(sid)
 
 
 def _quiet(c, sid):
@@ -54,51 +55,44 @@ def _quiet(c, sid):
     settled_checkpoints(c, sid, 240)
 
 
-def test_a_file_description_taken_from_an_older_process(daemon):
-    c = daemon.client()
-    sid = c.create_sandbox("debian-py")["id"]
-    _cleanup.append((c, sid))
+def _saves_processes(c, sid, cmd, reason: str = "") -> tuple[dict, dict]:
+    """Run `cmd` as a turn of a quiet sandbox: it succeeds, is planned
+    FS_PROC (a reason naming `reason`, if given), and its checkpoint
+    settles. Returns the turn and its checkpoint."""
+    _quiet(c, sid)
+    r = c.exec(sid, cmd)
+    assert r["exit_code"] == 0, r
+    assert r["plan"] == "FS_PROC" and (not reason or any(reason in x for x in r["reasons"])), r
+    return r, settled_checkpoint(c, r["checkpoint"], 240)
+
+
+def test_a_file_description_taken_from_an_older_process(sandbox):
+    c, sid = sandbox
     assert c.exec(sid, HOLDER)["exit_code"] == 0
     pid = c.exec(sid, "pidof sleep")["stdout"].split()[0]
     assert c.exec(sid, ["sh", "-c", "cat > /opt/getfd.py"], stdin=GETFD)["exit_code"] == 0
-    _quiet(c, sid)
-    r = c.exec(sid, ["python3", "/opt/getfd.py", pid])
-    assert r["exit_code"] == 0, r
-    assert r["plan"] == "FS_PROC" and any("pidfd_getfd" in x for x in r["reasons"]), r
-    settled_checkpoints(c, sid, 240)
+    r, _ = _saves_processes(c, sid, ["python3", "/opt/getfd.py", pid], "pidfd_getfd")
     c.exec(sid, "echo later >> /work/f")
     c.rollback(sid, r["checkpoint"])
     assert c.exec(sid, "cat /work/f")["stdout"] == "first\nstolen\n"
 
 
-def test_an_ipc_object_removed_by_its_id(daemon):
-    c = daemon.client()
-    sid = c.create_sandbox("debian-py")["id"]
-    _cleanup.append((c, sid))
+def test_an_ipc_object_removed_by_its_id(sandbox):
+    c, sid = sandbox
     made = c.exec(sid, "ipcmk -Q")
     assert made["exit_code"] == 0 and made["plan"] == "FS_PROC", made
     qid = c.exec(sid, "ipcs -q | awk '$2 ~ /^[0-9]+$/ {print $2}'")["stdout"].split()[0]
-    _quiet(c, sid)
-    r = c.exec(sid, f"ipcrm -q {qid}")
-    assert r["exit_code"] == 0, r
-    assert r["plan"] == "FS_PROC" and any("IPC" in x for x in r["reasons"]), r
-    settled_checkpoints(c, sid, 240)
+    r, _ = _saves_processes(c, sid, f"ipcrm -q {qid}", "IPC")
     c.exec(sid, "ipcmk -Q")
     c.rollback(sid, r["checkpoint"])
     assert c.exec(sid, "ipcs -q | awk '$2 ~ /^[0-9]+$/' | wc -l")["stdout"].strip() == "0"
 
 
-def test_an_older_process_reniced(daemon):
-    c = daemon.client()
-    sid = c.create_sandbox("debian-py")["id"]
-    _cleanup.append((c, sid))
+def test_an_older_process_reniced(sandbox):
+    c, sid = sandbox
     assert c.exec(sid, "(setsid sleep 3600 </dev/null >/dev/null 2>&1 &); sleep 0.2")["exit_code"] == 0
     pid = c.exec(sid, "pidof sleep")["stdout"].split()[0]
-    _quiet(c, sid)
-    r = c.exec(sid, f"renice -n 7 -p {pid}")
-    assert r["exit_code"] == 0, r
-    assert r["plan"] == "FS_PROC" and any("priority" in x for x in r["reasons"]), r
-    settled_checkpoints(c, sid, 240)
+    r, _ = _saves_processes(c, sid, f"renice -n 7 -p {pid}", "priority")
     c.exec(sid, f"renice -n 3 -p {pid}")
     c.rollback(sid, r["checkpoint"])
     assert c.exec(sid, "cut -d' ' -f19 /proc/$(pidof sleep)/stat")["stdout"].split() == ["7"]  # nice
@@ -141,20 +135,14 @@ c.close()
 '''
 
 
-def test_messages_queued_for_a_process_that_does_not_read(daemon):
+def test_messages_queued_for_a_process_that_does_not_read(sandbox):
     """A datagram for an older process's unix socket and a connection (with
     data) to its TCP listener, both left unread: its queues changed while
     it slept. Before the fix: SKIP (a probe with a unix and a UDP socket),
     and the rollback gave the queues back empty."""
-    c = daemon.client()
-    sid = c.create_sandbox("debian-py")["id"]
-    _cleanup.append((c, sid))
+    c, sid = sandbox
     assert c.exec(sid, ["python3", "-c", QUIET_SERVER])["exit_code"] == 0
-    _quiet(c, sid)
-    r = c.exec(sid, ["python3", "-c", SEND, "m1"])
-    assert r["exit_code"] == 0, r
-    assert r["plan"] == "FS_PROC", r
-    ck = settled_checkpoint(c, r["checkpoint"], 240)
+    r, ck = _saves_processes(c, sid, ["python3", "-c", SEND, "m1"])
     assert ck["proc_image"], ck  # the processes were saved
     c.rollback(sid, r["checkpoint"])
     c.exec(sid, "kill -USR1 $(pidof python3); sleep 0.5")
@@ -165,21 +153,15 @@ def test_messages_queued_for_a_process_that_does_not_read(daemon):
     assert c.exec(sid, "cat /tmp/got")["stdout"] == "m1 -"
 
 
-def test_bytes_left_in_a_fifo_an_older_process_holds(daemon):
+def test_bytes_left_in_a_fifo_an_older_process_holds(sandbox):
     """`echo data > /tmp/ff` where only an older, sleeping process holds the
     FIFO's read end: the bytes wait in its pipe, process state a file-system
     snapshot does not hold. Before the fix: planned FS, and the rollback gave
     the reader back an empty pipe."""
-    c = daemon.client()
-    sid = c.create_sandbox("debian-py")["id"]
-    _cleanup.append((c, sid))
+    c, sid = sandbox
     opened = c.exec(sid, "mkfifo /tmp/ff; (setsid sleep 3600 < /tmp/ff >/dev/null 2>&1 &); exec 3>/tmp/ff; sleep 0.2")
     assert opened["exit_code"] == 0, opened
-    _quiet(c, sid)
-    r = c.exec(sid, "echo data > /tmp/ff")
-    assert r["exit_code"] == 0, r
-    assert r["plan"] == "FS_PROC", r
-    settled_checkpoint(c, r["checkpoint"], 240)
+    r, _ = _saves_processes(c, sid, "echo data > /tmp/ff")
     drain = "dd if=/proc/$(pidof sleep)/fd/0 iflag=nonblock bs=100 count=1 2>/dev/null"
     c.exec(sid, drain)  # the live sandbox moves on: its pipe is empty again
     c.rollback(sid, r["checkpoint"])

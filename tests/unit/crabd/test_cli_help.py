@@ -53,6 +53,6 @@ class _FakeClient:
     (ConnectionRefusedError("no daemon"), 125),
 ])
 def test_exec_exit_codes_follow_docker(monkeypatch: pytest.MonkeyPatch, outcome: Any, code: int) -> None:
-    monkeypatch.setattr(cli, "_client", lambda socket: _FakeClient(outcome))
+    monkeypatch.setattr("crabd.client.Client", lambda socket: _FakeClient(outcome))  # what the CLI builds
     r = CliRunner().invoke(cli.app, ["exec", "sb", "--", "x"])
     assert r.exit_code == code, r.output

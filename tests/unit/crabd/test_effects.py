@@ -294,7 +294,7 @@ def test_cli_effects_and_budget_commands(tmp_path, monkeypatch):
     import crabd.cli as cli
 
     st, client, _ = _in_process_clients(tmp_path)
-    monkeypatch.setattr(cli, "_client", lambda socket: client)
+    monkeypatch.setattr("crabd.client.Client", lambda socket: client)  # what the CLI builds
     run = CliRunner().invoke
 
     r = run(cli.app, ["effects", "intent", "sb1", "email.send", "--key", "k1", "--args", '{"to": "bob"}', "--json"])

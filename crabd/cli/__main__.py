@@ -1,0 +1,5 @@
+"""`python -m crabd.cli`: the `crabd` console script."""
+
+from . import main
+
+main()
