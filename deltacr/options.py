@@ -69,10 +69,10 @@ class DumpOptions:
     network_lock: NetworkLock = NetworkLock.AUTO
     # Seconds the whole runc checkpoint may take before it is killed.
     timeout: float = 120.0
-    # Seconds without progress (CRIU's log and image not growing) before the
-    # dump is killed, CRIU with it: a dump that cannot get on (e.g. seizing
-    # a stopped task in a frozen cgroup) stalls the turn this long, not
-    # `timeout`. CRIU logs every step at runc's level 4.
+    # Seconds without progress (CRIU's log and image not growing, CRIU using
+    # no CPU and doing no I/O; see deltacr.runc) before the dump is killed,
+    # CRIU with it: a dump that cannot get on (e.g. seizing a stopped task
+    # in a frozen cgroup) stalls the turn this long, not `timeout`.
     stall_timeout: float = 10.0
 
     def __post_init__(self) -> None:
