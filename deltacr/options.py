@@ -67,6 +67,13 @@ class DumpOptions:
     manage_cgroups_mode: CgroupsMode = CgroupsMode.SOFT
     # Network locking during the dump; see NetworkLock.
     network_lock: NetworkLock = NetworkLock.AUTO
+    # An open file whose name was unlinked while another hard link keeps it
+    # is dumped through a hard link CRIU makes next to the old name (CRIU's
+    # --link-remap), which the restore opens and removes. CRIU removes it
+    # after a dump that leaves the tasks running, so the caller must keep it
+    # in the file system the restore sees (crabd.runtime.linkremap). Without
+    # it such a file makes the whole dump fail.
+    link_remap: bool = False
     # Seconds the whole runc checkpoint may take before it is killed.
     timeout: float = 120.0
     # Seconds without progress (CRIU's log and image not growing, CRIU using
@@ -193,6 +200,8 @@ def config_lines(o: DumpOptions | RestoreOptions) -> list[str]:
         out.append("skip-in-flight")
     if isinstance(o, DumpOptions) and o.ghost_limit:
         out.append(f"ghost-limit {o.ghost_limit}")
+    if isinstance(o, DumpOptions) and o.link_remap:
+        out.append("link-remap")
     return out
 
 

@@ -29,7 +29,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -41,6 +41,7 @@ from deltafs import is_mountpoint, mount_all
 from ..errors import CommandFailed, FailedPrecondition, SandboxNotRunning
 from ..runner import Completed, SubprocessRunner
 from .cgroups import Freezer, unified_freezer
+from .linkremap import cleanup_restore, link_open_unlinked, prepare_restore, unlink_all
 from .procfs import cgroup_procs, ns_pid, rss_bytes, task_stat, tcp_connected, time_namespaces
 from .sandbox import Runtime, Sandbox
 
@@ -121,14 +122,36 @@ def checkpoint_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, check
     work = scratch_dir(store, "dump-", rss_bytes(freezer.dir / "cgroup.procs"))
     img, logs = work / "image", work / "work"
 
+    # Open files whose name was unlinked but which another hard link keeps:
+    # crabd's own link goes into the FS commit, CRIU's --link-remap then
+    # dumps them (linkremap.py). Only with an FS commit to keep the link.
+    remaps: list[dict[str, Any]] = []
+    missed: list[str] = []
+    used = opts
+
+    def commit() -> Any:
+        nonlocal remaps, missed
+        remaps, missed = link_open_unlinked(cgroup_procs(freezer.dir / "cgroup.procs"))
+        assert fs_commit is not None
+        return fs_commit()
+
     def dump() -> float:
+        nonlocal used
         _check_tree(sb, freezer.dir / "cgroup.procs", init_pid)
-        return runc.checkpoint(sb.id, img, logs, opts)
+        if remaps and not missed:
+            used = replace(opts, link_remap=True)
+        elif missed:
+            log.info("sandbox %s: open unlinked files crabd cannot keep: %s", sb.id, "; ".join(missed))
+        try:
+            return runc.checkpoint(sb.id, img, logs, used)
+        finally:
+            unlink_all(sb.rootfs, remaps)  # still frozen: the sandbox never sees them
 
     try:
         dumped = False
         try:
-            cap = capture_consistent(freezer.freeze, (lambda: None) if was_frozen else freezer.thaw, dump, fs_commit)
+            cap = capture_consistent(freezer.freeze, (lambda: None) if was_frozen else freezer.thaw, dump,
+                                     commit if fs_commit is not None else None)
             dumped = True
         except CriuFailed as e:
             kept = store.log_dir(checkpoint_id)
@@ -138,6 +161,7 @@ def checkpoint_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, check
                 e.log_path = str(kept / "dump.log")
             raise
         finally:
+            unlink_all(sb.rootfs, remaps)  # the FS commit or the dump failed
             if criu_conf is not None:
                 _set_criu_config(rt, sb, criu_conf, on=False)
             if not dumped:
@@ -147,9 +171,11 @@ def checkpoint_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, check
         stopped_ns = sorted(n for n in (ns_pid(p) for p, _ in stopped) if n is not None)
         t = time.monotonic()
         m = store.put(checkpoint_id, img, logs=[logs / "dump.log"],
-                      meta={"sandbox_id": sb.id, "options": opts.to_dict(), "kind": "criu-runc",
+                      meta={"sandbox_id": sb.id, "options": used.to_dict(), "kind": "criu-runc",
                             # a hot standby's promotion must not SIGCONT these (standby.py)
-                            **({"stopped_nspids": stopped_ns} if stopped_ns else {})})
+                            **({"stopped_nspids": stopped_ns} if stopped_ns else {}),
+                            # crabd's links in the FS commit, for the restore (linkremap.py)
+                            **({"link_remaps": remaps} if used.link_remap else {})})
         store_s = time.monotonic() - t
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -376,6 +402,8 @@ def restore_options(store: ImageStore, checkpoint_id: str) -> RestoreOptions:
 def restore_into(rt: Runtime, store: ImageStore, checkpoint_id: str, container_id: str, bundle: Path,
                   runc: Runc, opts: RestoreOptions, image: Path) -> int:
     work = store.tmpdir("restore-")
+    remaps = store.manifest(checkpoint_id).meta.get("link_remaps") or []
+    made = prepare_restore(bundle / "rootfs", image, remaps) if remaps else []
     try:
         try:
             return runc.restore(container_id, bundle, image, work, opts)
@@ -388,6 +416,8 @@ def restore_into(rt: Runtime, store: ImageStore, checkpoint_id: str, container_i
                 e.log_path = str(dst)
             raise
     finally:
+        if remaps:
+            cleanup_restore(bundle / "rootfs", remaps, made)
         shutil.rmtree(work, ignore_errors=True)
 
 
