@@ -23,11 +23,8 @@ SAME = "[ $(stat -L -c %i /proc/$(cat /root/holder.pid)/fd/3) = $(stat -c %i /ro
 LEFT = "ls -a /root | grep -E 'link.remap' || true"
 
 
-def test_an_open_unlinked_but_linked_file_round_trips(start_daemon, tmp_path):
-    cfg = tmp_path / "config.toml"
-    cfg.write_text('capture = "full"\n')
-    c = start_daemon(args=["--config", str(cfg)], env={"CRABD_INSPECTOR": "proc"}).client()
-    sid = c.create_sandbox("busybox")["id"]
+def test_an_open_unlinked_but_linked_file_round_trips(full_capture):
+    c, sid = full_capture
     assert c.exec(sid, HOLD)["exit_code"] == 0
     assert c.exec(sid, "sleep 0.3; " + FD)["stdout"].strip() == "/root/a (deleted)"
     ck = settled_checkpoint(c, c.exec(sid, "echo two >> /root/b")["checkpoint"])

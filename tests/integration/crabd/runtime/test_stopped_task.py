@@ -22,11 +22,8 @@ pytestmark = pytest.mark.needs("runc", "criu", "bpf", "busybox")
 STATE = "sed 's/.*) //' /proc/$(cat /root/stopped.pid)/stat | cut -d' ' -f1"
 
 
-def test_a_stopped_process_is_checkpointed_and_comes_back_stopped(start_daemon, tmp_path):
-    cfg = tmp_path / "config.toml"
-    cfg.write_text('capture = "full"\n')
-    c = start_daemon(args=["--config", str(cfg)], env={"CRABD_INSPECTOR": "proc"}).client()
-    sid = c.create_sandbox("busybox")["id"]
+def test_a_stopped_process_is_checkpointed_and_comes_back_stopped(full_capture):
+    c, sid = full_capture
     r = c.exec(sid, "setsid sleep 3600 </dev/null >/dev/null 2>&1 & echo $! > /root/stopped.pid; "
                     "kill -STOP $(cat /root/stopped.pid)")
     assert r["exit_code"] == 0, r
@@ -49,13 +46,10 @@ def test_a_stopped_process_is_checkpointed_and_comes_back_stopped(start_daemon, 
     assert c.exec(sid, "kill -CONT $(cat /root/stopped.pid) && sleep 0.2 && " + STATE)["stdout"].strip() in ("S", "R")
 
 
-def test_a_hot_standby_keeps_a_stopped_process_stopped(start_daemon, tmp_path):
+def test_a_hot_standby_keeps_a_stopped_process_stopped(full_capture):
     """A standby is restored with every task stopped and promoted by a
     SIGCONT to each: not to a task that was stopped when dumped."""
-    cfg = tmp_path / "config.toml"
-    cfg.write_text('capture = "full"\n')
-    c = start_daemon(args=["--config", str(cfg)], env={"CRABD_INSPECTOR": "proc"}).client()
-    sid = c.create_sandbox("busybox")["id"]
+    c, sid = full_capture
     c.exec(sid, "setsid sleep 3600 </dev/null >/dev/null 2>&1 & echo $! > /root/stopped.pid; "
                 "kill -STOP $(cat /root/stopped.pid)")
     ev0 = max((e["seq"] for e in c.events(latest=1)), default=0)
