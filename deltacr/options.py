@@ -67,12 +67,19 @@ class DumpOptions:
     manage_cgroups_mode: CgroupsMode = CgroupsMode.SOFT
     # Network locking during the dump; see NetworkLock.
     network_lock: NetworkLock = NetworkLock.AUTO
+    # An open file whose name was unlinked while another hard link keeps it
+    # is dumped through a hard link CRIU makes next to the old name (CRIU's
+    # --link-remap), which the restore opens and removes. CRIU removes it
+    # after a dump that leaves the tasks running, so the caller must keep it
+    # in the file system the restore sees (crabd.runtime.linkremap). Without
+    # it such a file makes the whole dump fail.
+    link_remap: bool = False
     # Seconds the whole runc checkpoint may take before it is killed.
     timeout: float = 120.0
-    # Seconds without progress (CRIU's log and image not growing) before the
-    # dump is killed, CRIU with it: a dump that cannot get on (e.g. seizing
-    # a stopped task in a frozen cgroup) stalls the turn this long, not
-    # `timeout`. CRIU logs every step at runc's level 4.
+    # Seconds without progress (CRIU's log and image not growing, CRIU using
+    # no CPU and doing no I/O; see deltacr.runc) before the dump is killed,
+    # CRIU with it: a dump that cannot get on (e.g. seizing a stopped task
+    # in a frozen cgroup) stalls the turn this long, not `timeout`.
     stall_timeout: float = 10.0
 
     def __post_init__(self) -> None:
@@ -193,6 +200,8 @@ def config_lines(o: DumpOptions | RestoreOptions) -> list[str]:
         out.append("skip-in-flight")
     if isinstance(o, DumpOptions) and o.ghost_limit:
         out.append(f"ghost-limit {o.ghost_limit}")
+    if isinstance(o, DumpOptions) and o.link_remap:
+        out.append("link-remap")
     return out
 
 

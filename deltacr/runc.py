@@ -14,11 +14,16 @@ A dump or restore that stops making progress is killed, CRIU with it:
 runc runs in a session of its own, and CRIU (runc's child) is in it; killing
 only runc would leave CRIU running -- still holding the sandbox's tasks
 under ptrace, and putting the freezer back to the state it found once it
-wakes up. "Progress" is CRIU's log or image growing: runc runs CRIU at log
-level 4, which logs every step, so `stall` seconds (10 by default) without
-a new byte means CRIU waits on something that will not come, e.g. the
-kernel's PTRACE_SEIZE of a stopped task in a frozen cgroup. The
-whole-command `timeout` (120 s) stays as the outer bound.
+wakes up. "Progress" is CRIU's log or image growing (runc runs CRIU at log
+level 4, which logs every step), or work done by CRIU and what it forks (the
+restored tasks): CPU time and bytes read or written, from /proc, or one of
+them runnable (waiting for a CPU on a loaded host is not a hang). A restore
+writes no image and can go quiet in its log for seconds while it maps and
+reads a big image, so bytes alone made a slow restore on a starved host look
+hung (zdtm maps04 at load 20). `stall` seconds (10 by default) without any
+of these means CRIU waits on something that will not come, e.g. the
+kernel's PTRACE_SEIZE of a stopped task in a frozen cgroup (blocked: no CPU,
+no I/O). The whole-command `timeout` (120 s) stays as the outer bound.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from .netns import loopback_up
 from .options import DumpOptions, RestoreOptions, checkpoint_argv, config_lines, required_features, restore_argv
 
 __all__ = ["Result", "CommandRunner", "SubprocessCommandRunner", "CriuInfo", "check_criu", "criu_errors",
-           "skipped_in_flight", "Runc", "MIN_CRIU_VERSION", "kill_session"]
+           "skipped_in_flight", "Runc", "MIN_CRIU_VERSION", "kill_session", "StallGuard", "tree_activity"]
 
 MIN_CRIU_VERSION = (3, 17)  # leave-stopped through a config file, cgroup v1 freezer handling
 # Logged on every CRIU run on these hosts (setrlimit is refused) and never the cause.
@@ -91,17 +96,16 @@ class SubprocessCommandRunner:
         sel.register(fd, selectors.EVENT_READ)
         killed = ""
         open_ = True
-        seen, seen_at, checked_at = (progress() if progress else 0), start, start
+        guard = StallGuard(stall, start) if progress is not None and stall is not None else None
+        checked_at = start
         try:
             while True:
                 exited = p.poll() is not None
                 now = time.monotonic()
-                if not exited and progress is not None and stall is not None and now - checked_at >= self.PROGRESS_EVERY:
+                if not exited and guard is not None and progress is not None and now - checked_at >= self.PROGRESS_EVERY:
                     checked_at = now
-                    cur = progress()
-                    if cur != seen:
-                        seen, seen_at = cur, now
-                    elif now - seen_at > stall:
+                    work, runnable = tree_activity(p.pid)
+                    if guard.stalled((progress(), work), runnable, now):
                         killed = "stalled"
                 if not exited and not killed and now - start > timeout:
                     killed = "timeout"
@@ -132,6 +136,74 @@ class SubprocessCommandRunner:
             p.stdout.close()
         rc = p.wait()
         return Result(list(argv), None if killed else rc, bytes(out), time.monotonic() - start, killed)
+
+
+class StallGuard:
+    """When a command has made no progress for `stall` seconds. Pure: the
+    caller passes the readings and the clock.
+
+    A reading is anything comparable (the log's bytes, the CPU time and I/O
+    of CRIU's tree): progress is a reading that differs from the last one,
+    or a task that is runnable (on a loaded host it waits for a CPU, it is
+    not hung)."""
+
+    def __init__(self, stall: float, now: float) -> None:
+        self.stall = stall
+        self._seen: object = None
+        self._seen_at = now
+
+    def stalled(self, reading: object, runnable: bool, now: float) -> bool:
+        if runnable or reading != self._seen:
+            self._seen, self._seen_at = reading, now
+            return False
+        return now - self._seen_at > self.stall
+
+
+def _proc_stat(pid: int) -> tuple[str, str, int, int] | None:
+    """(comm, state, ppid, utime + stime in ticks) of `pid`, None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    comm = data[data.index(b"(") + 1:data.rindex(b")")].decode(errors="replace")
+    fields = data[data.rindex(b")") + 2:].split()
+    return comm, fields[0].decode(), int(fields[1]), int(fields[11]) + int(fields[12])
+
+
+def _proc_io(pid: int) -> int:
+    """Bytes `pid` has read and written (rchar + wchar), 0 when unreadable."""
+    try:
+        with open(f"/proc/{pid}/io", "rb") as f:
+            return sum(int(ln.split()[1]) for ln in f if ln.startswith((b"rchar:", b"wchar:")))
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def tree_activity(root: int) -> tuple[int, bool]:
+    """(CPU ticks + bytes read and written, any of them runnable) summed
+    over the descendants of `root` (runc: CRIU, and the tasks a restore
+    forks). `root` itself and other runc processes are left out: Go's
+    runtime wakes up now and then while runc only waits, which would make
+    a hung CRIU look busy."""
+    stats: dict[int, tuple[str, str, int, int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit() and (st := _proc_stat(int(d))) is not None:
+            stats[int(d)] = st
+    children: dict[int, list[int]] = {}
+    for pid, (_, _, ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    work, runnable = 0, False
+    todo = list(children.get(root, ()))
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, ())
+        comm, state, _, ticks = stats[pid]
+        if comm.startswith("runc") or state in ("Z", "X"):
+            continue
+        work += ticks + _proc_io(pid)
+        runnable = runnable or state == "R"
+    return work, runnable
 
 
 def _session_members(sid: int) -> list[int]:
@@ -326,7 +398,8 @@ class Runc:
     def _fail(self, what: str, res: Result, log: Path) -> None:
         output = res.output.decode(errors="replace")
         if res.killed == "stalled":
-            what += f" (killed with CRIU after {res.duration:.0f} s: its log and image had stopped growing)"
+            what += (f" (killed with CRIU after {res.duration:.0f} s: no progress: its log and image had stopped "
+                     "growing, and CRIU and its tasks used no CPU and did no I/O)")
         elif res.returncode is None:
             what += f" (killed with CRIU at its timeout, {res.duration:.0f} s)"
         text = _read_log(log)

@@ -37,14 +37,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import blake3
 import zstandard
 
 from .errors import AlreadyExists, ImageCorrupted, InvalidArgument, NotFound
 
-__all__ = ["ImageStore", "Manifest", "FileEntry", "StoreStats", "chunk_spans", "parse_pagemap", "CHUNK_SIZE"]
+__all__ = ["ImageStore", "Manifest", "FileEntry", "StoreStats", "chunk_spans", "parse_pagemap", "linked_remaps", "CHUNK_SIZE"]
 
 CHUNK_SIZE = 64 * 1024
 PAGE_SIZE = 4096
@@ -138,6 +138,67 @@ def _fields(msg: bytes) -> dict[int, int]:
             i += 8
         else:
             raise ValueError(f"unsupported wire type {wt}")
+    return out
+
+
+def _message(msg: bytes) -> dict[int, list[Any]]:
+    """Every field of a protobuf message: varints and fixed as int,
+    length-delimited as bytes (nested messages: parse them again)."""
+    out: dict[int, list[Any]] = {}
+    i = 0
+    while i < len(msg):
+        key, i = _varint(msg, i)
+        num, wt = key >> 3, key & 7
+        v: Any
+        if wt == 0:
+            v, i = _varint(msg, i)
+        elif wt == 2:
+            ln, i = _varint(msg, i)
+            v, i = msg[i:i + ln], i + ln
+        elif wt in (1, 5):
+            n = 8 if wt == 1 else 4
+            v, i = int.from_bytes(msg[i:i + n], "little"), i + n
+        else:
+            raise ValueError(f"unsupported wire type {wt}")
+        out.setdefault(num, []).append(v)
+    return out
+
+
+def _image_entries(data: bytes) -> list[dict[int, list[Any]]]:
+    """The entries of a CRIU image file: two magics, then size-prefixed messages."""
+    i, out = 8, []
+    while i + 4 <= len(data):
+        (ln,) = struct.unpack_from("<I", data, i)
+        out.append(_message(data[i + 4:i + 4 + ln]))
+        i += 4 + ln
+    return out
+
+
+_REMAP_LINKED = 0  # RemapType.LINKED, CRIU's images/remap-file-path.proto
+
+
+def linked_remaps(image_dir: str | os.PathLike[str]) -> dict[str, str]:
+    """{old name: link name} of the files an image holds through CRIU's
+    --link-remap (an open file whose name was unlinked, reopened on restore
+    through a hard link CRIU made next to it), both as the dumped tasks saw
+    them: remap-fpath.img's LINKED entries, their names from files.img."""
+    d = Path(image_dir)
+    try:
+        remaps = _image_entries((d / "remap-fpath.img").read_bytes())
+        files = _image_entries((d / "files.img").read_bytes())
+    except FileNotFoundError:
+        return {}
+    names: dict[int, str] = {}
+    for fe in files:
+        for reg in fe.get(3, []):           # FileEntry.reg
+            r = _message(reg)
+            if r.get(1) and r.get(6):       # RegFileEntry.id, .name
+                names[r[1][0]] = r[6][0].decode(errors="surrogateescape")
+    out: dict[str, str] = {}
+    for rp in remaps:                       # RemapFilePathEntry: orig_id, remap_id, remap_type
+        orig, remap = rp.get(1, [None])[0], rp.get(2, [None])[0]
+        if rp.get(3, [_REMAP_LINKED])[0] == _REMAP_LINKED and orig in names and remap in names:
+            out[names[orig]] = names[remap]
     return out
 
 

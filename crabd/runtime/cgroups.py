@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..errors import FailedPrecondition
 
-__all__ = ["CgroupLayout", "detect_layout", "Freezer", "copy_limits", "sweep_cgroup", "sweep_standby_cgroups"]
+__all__ = ["CgroupLayout", "detect_layout", "Freezer", "unified_freezer", "copy_limits", "sweep_cgroup", "sweep_standby_cgroups"]
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -74,12 +74,19 @@ def detect_layout(root: Path = CGROUP_ROOT) -> CgroupLayout:
 
 
 class Freezer:
-    """Freeze and thaw one cgroup (v1 freezer.state or v2 cgroup.freeze)."""
+    """Freeze and thaw one cgroup (v1 freezer.state or v2 cgroup.freeze).
 
-    def __init__(self, layout: CgroupLayout, rel: str) -> None:
+    `unified`: on a hybrid host, the cgroup's v2 freezer in the unified
+    hierarchy (runc puts the sandbox there too) instead of the v1 freezer;
+    see `unified_freezer`."""
+
+    def __init__(self, layout: CgroupLayout, rel: str, *, unified: bool = False) -> None:
         self.layout = layout
-        self.dir = layout.freezer_dir(rel)
-        self.v1 = layout.v1_freezer is not None
+        v2 = layout.v2_dir(rel) if unified else None
+        if unified and v2 is None:
+            raise FailedPrecondition("no unified cgroup hierarchy on this host", fix="mount cgroup2 (hybrid or v2)")
+        self.dir = v2 if v2 is not None else layout.freezer_dir(rel)
+        self.v1 = v2 is None and layout.v1_freezer is not None
 
     def freeze(self, timeout: float = 10.0) -> None:
         if self.v1:
@@ -125,6 +132,15 @@ class Freezer:
                 raise FailedPrecondition(f"cgroup {what} did not complete within {timeout}s")
             time.sleep(delay)
             delay = min(delay * 2, 0.01)
+
+
+def unified_freezer(layout: CgroupLayout, rel: str) -> Freezer | None:
+    """The v2 freezer of cgroup `rel` on a hybrid host (v1 freezer and a
+    unified hierarchy holding the cgroup), else None."""
+    v2 = layout.v2_dir(rel)
+    if layout.v1_freezer is None or v2 is None or not (v2 / "cgroup.freeze").exists():
+        return None
+    return Freezer(layout, rel, unified=True)
 
 
 def copy_limits(src: Path, dst: Path) -> None:

@@ -20,6 +20,7 @@ left as they are for the API layer to map.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -28,7 +29,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -39,8 +40,9 @@ from deltafs import is_mountpoint, mount_all
 
 from ..errors import CommandFailed, FailedPrecondition, SandboxNotRunning
 from ..runner import Completed, SubprocessRunner
-from .cgroups import Freezer
-from .procfs import cgroup_procs, rss_bytes, task_stat, tcp_connected, time_namespaces
+from .cgroups import Freezer, unified_freezer
+from .linkremap import cleanup_restore, link_open_unlinked, prepare_restore, unlink_all
+from .procfs import cgroup_procs, ns_pid, rss_bytes, task_stat, tcp_connected, time_namespaces
 from .sandbox import Runtime, Sandbox
 
 log = logging.getLogger("crabd.runtime.process")  # its name before the split: log lines unchanged
@@ -99,8 +101,20 @@ def checkpoint_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, check
     _check_init_stdio(sb, init_pid)
     freezer = Freezer(rt.layout, sb.cgroup_rel)
     was_frozen = freezer.state() == "FROZEN"
-    if freezer.v1 and not was_frozen:
-        _check_not_stopped(sb, freezer.dir / "cgroup.procs")
+    criu_conf: Path | None = None
+    stopped = _stopped_tasks(freezer.dir / "cgroup.procs")
+    if stopped and freezer.v1 and not was_frozen:
+        # v1 freezer + a stopped task = a CRIU hung in PTRACE_SEIZE; the v2
+        # freezer of the unified hierarchy has no such hang (STOPPED_TASK_LIMIT).
+        v2 = unified_freezer(rt.layout, sb.cgroup_rel)
+        criu_conf = _criu_freeze_config(rt, sb, v2) if v2 is not None else None
+        if v2 is None or criu_conf is None:
+            raise FailedPrecondition(f"sandbox {sb.id} has stopped tasks: "
+                                     f"{', '.join(f'{p} ({c})' for p, c in stopped[:8])}; "
+                                     f"{STOPPED_TASK_LIMIT}",
+                                     fix="let stopped tasks continue (SIGCONT) before the turn ends to have the "
+                                         "processes checkpointed")
+        freezer = v2
     _check_one_time_ns(sb, freezer.dir / "cgroup.procs")
     if opts is None:
         opts = DumpOptions.for_private_netns(tcp_connections=tcp_connected(init_pid))
@@ -108,14 +122,36 @@ def checkpoint_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, check
     work = scratch_dir(store, "dump-", rss_bytes(freezer.dir / "cgroup.procs"))
     img, logs = work / "image", work / "work"
 
+    # Open files whose name was unlinked but which another hard link keeps:
+    # crabd's own link goes into the FS commit, CRIU's --link-remap then
+    # dumps them (linkremap.py). Only with an FS commit to keep the link.
+    remaps: list[dict[str, Any]] = []
+    missed: list[str] = []
+    used = opts
+
+    def commit() -> Any:
+        nonlocal remaps, missed
+        remaps, missed = link_open_unlinked(cgroup_procs(freezer.dir / "cgroup.procs"))
+        assert fs_commit is not None
+        return fs_commit()
+
     def dump() -> float:
+        nonlocal used
         _check_tree(sb, freezer.dir / "cgroup.procs", init_pid)
-        return runc.checkpoint(sb.id, img, logs, opts)
+        if remaps and not missed:
+            used = replace(opts, link_remap=True)
+        elif missed:
+            log.info("sandbox %s: open unlinked files crabd cannot keep: %s", sb.id, "; ".join(missed))
+        try:
+            return runc.checkpoint(sb.id, img, logs, used)
+        finally:
+            unlink_all(sb.rootfs, remaps)  # still frozen: the sandbox never sees them
 
     try:
         dumped = False
         try:
-            cap = capture_consistent(freezer.freeze, (lambda: None) if was_frozen else freezer.thaw, dump, fs_commit)
+            cap = capture_consistent(freezer.freeze, (lambda: None) if was_frozen else freezer.thaw, dump,
+                                     commit if fs_commit is not None else None)
             dumped = True
         except CriuFailed as e:
             kept = store.log_dir(checkpoint_id)
@@ -125,13 +161,21 @@ def checkpoint_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, check
                 e.log_path = str(kept / "dump.log")
             raise
         finally:
+            unlink_all(sb.rootfs, remaps)  # the FS commit or the dump failed
+            if criu_conf is not None:
+                _set_criu_config(rt, sb, criu_conf, on=False)
             if not dumped:
                 _unlock_network(sb, init_pid)
             _check_thawed(sb, freezer, was_frozen)
         notes = _dump_notes(logs / "dump.log")
+        stopped_ns = sorted(n for n in (ns_pid(p) for p, _ in stopped) if n is not None)
         t = time.monotonic()
         m = store.put(checkpoint_id, img, logs=[logs / "dump.log"],
-                      meta={"sandbox_id": sb.id, "options": opts.to_dict(), "kind": "criu-runc"})
+                      meta={"sandbox_id": sb.id, "options": used.to_dict(), "kind": "criu-runc",
+                            # a hot standby's promotion must not SIGCONT these (standby.py)
+                            **({"stopped_nspids": stopped_ns} if stopped_ns else {}),
+                            # crabd's links in the FS commit, for the restore (linkremap.py)
+                            **({"link_remaps": remaps} if used.link_remap else {})})
         store_s = time.monotonic() - t
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -202,19 +246,28 @@ def _check_init_stdio(sb: Sandbox, init_pid: int | None) -> None:
                 fix="start sandboxes with Runtime(runner=CheckpointableRunner()) so the init's output is a pipe")
 
 
-# Why a stopped task cannot be dumped on a cgroup v1 host, for the reasons of
-# the checkpoint and `crabd doctor` (seen here: CRIU 4.1.1's log ends at the
-# SEIZE of the task before the stopped one, and the dump never returns).
+# Why a stopped task cannot be dumped through a cgroup v1 freezer, for the
+# reasons of the checkpoint and `crabd doctor`. Reproduced with plain CRIU
+# 4.1.1 (no runc, no crabd; bench/results/zdtm/2026-12-02-h15/SUMMARY.md):
+# --freeze-cgroup on a v1 freezer hangs at the SEIZE of the task before the
+# stopped one; on the same tree's v2 cgroup, or without --freeze-cgroup, the
+# dump succeeds and the task stays stopped. The kernel's v1 freezer puts a
+# stopped task in TASK_FROZEN; ptrace_attach wakes it for __TASK_STOPPED
+# (a wake-up the freezer only records) and waits, killable, until the task
+# reaches its trap, which it cannot before the thaw CRIU does after seizing.
+# On a hybrid host crabd avoids it by freezing through the unified (v2)
+# hierarchy; only a v1-only host (or a sandbox without a unified cgroup)
+# still refuses.
 STOPPED_TASK_LIMIT = (
-    "host limit: this host's cgroup v1 freezer and ptrace cannot seize a stopped task: runc always has CRIU "
-    "freeze the sandbox's freezer cgroup, and PTRACE_SEIZE of a task in group stop waits for the task to leave "
-    "the stop, which a frozen task never does (the kernel loses the wake-up; CRIU hangs, upstream: all its "
-    "stopped* tests fail with --freeze-cgroup, criu PR #1905)")
+    "host limit: this host has only the cgroup v1 freezer, and CRIU cannot seize a stopped task in a frozen v1 "
+    "freezer cgroup: PTRACE_SEIZE of a task in group stop waits for the task to reach its trap, which a task the "
+    "v1 freezer holds never does (CRIU hangs; upstream: its stopped* tests fail with --freeze-cgroup on v1, "
+    "criu PR #1905); a host with a unified (v2) hierarchy has no such limit")
 
 
-def _check_not_stopped(sb: Sandbox, procs_file: Path) -> None:
-    """Refuse, before freezing, a dump CRIU would hang in: a task stopped by
-    SIGSTOP/SIGTSTP/SIGTTIN/SIGTTOU (state T) on a cgroup v1 freezer."""
+def _stopped_tasks(procs_file: Path) -> list[tuple[int, str]]:
+    """The tasks stopped by SIGSTOP/SIGTSTP/SIGTTIN/SIGTTOU (state T), as
+    (pid, comm)."""
     stopped = []
     for pid in cgroup_procs(procs_file):
         try:
@@ -222,11 +275,43 @@ def _check_not_stopped(sb: Sandbox, procs_file: Path) -> None:
         except OSError:
             continue
         if stat.state == "T":
-            stopped.append(f"{pid} ({stat.comm})")
-    if stopped:
-        raise FailedPrecondition(f"sandbox {sb.id} has stopped tasks: {', '.join(stopped[:8])}; {STOPPED_TASK_LIMIT}",
-                                 fix="let stopped tasks continue (SIGCONT) before the turn ends to have the "
-                                     "processes checkpointed")
+            stopped.append((pid, stat.comm))
+    return stopped
+
+
+_CRIU_CONFIG_LABEL = "org.criu.config="
+
+
+def _criu_freeze_config(rt: Runtime, sb: Sandbox, freezer: Freezer) -> Path | None:
+    """Have runc's CRIU freeze the sandbox through `freezer` (its v2 cgroup)
+    for the next dump: runc always hands CRIU the v1 freezer cgroup on a
+    hybrid host, and CRIU lets the RPC configuration file runc names (the
+    container's `org.criu.config` label; runc's default is
+    /etc/criu/runc.conf) override it. The label goes into runc's state of
+    the container for the dump only (`_set_criu_config(..., on=False)`
+    after). None, leaving everything as it was, when the container already
+    has such a label of its own."""
+    conf = sb.dir / "criu-dump.conf"
+    conf.write_text(f"freeze-cgroup {freezer.dir}\n")
+    return conf if _set_criu_config(rt, sb, conf, on=True) else None
+
+
+def _set_criu_config(rt: Runtime, sb: Sandbox, conf: Path, *, on: bool) -> bool:
+    """Add (`on`) or remove the `org.criu.config=<conf>` label of the
+    container in runc's state; False if another such label is there."""
+    path = rt.runc_root / sb.id / "state.json"
+    state = json.loads(path.read_text())
+    cfg = state.setdefault("config", {})
+    labels = [lb for lb in (cfg.get("labels") or []) if lb != _CRIU_CONFIG_LABEL + str(conf)]
+    if on:
+        if any(lb.startswith(_CRIU_CONFIG_LABEL) for lb in labels):
+            return False
+        labels.append(_CRIU_CONFIG_LABEL + str(conf))
+    cfg["labels"] = labels
+    tmp = path.with_suffix(".crabd-criu")
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, path)
+    return True
 
 
 TIME_NS_LIMIT = ("CRIU restores processes in a time namespace of its own, runc 1.1 starts commands exec'd "
@@ -317,6 +402,8 @@ def restore_options(store: ImageStore, checkpoint_id: str) -> RestoreOptions:
 def restore_into(rt: Runtime, store: ImageStore, checkpoint_id: str, container_id: str, bundle: Path,
                   runc: Runc, opts: RestoreOptions, image: Path) -> int:
     work = store.tmpdir("restore-")
+    remaps = store.manifest(checkpoint_id).meta.get("link_remaps") or []
+    made = prepare_restore(bundle / "rootfs", image, remaps) if remaps else []
     try:
         try:
             return runc.restore(container_id, bundle, image, work, opts)
@@ -329,6 +416,8 @@ def restore_into(rt: Runtime, store: ImageStore, checkpoint_id: str, container_i
                 e.log_path = str(dst)
             raise
     finally:
+        if remaps:
+            cleanup_restore(bundle / "rootfs", remaps, made)
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["TaskStat", "parse_stat", "task_stat", "cgroup_procs", "rss_bytes", "time_namespaces",
-           "tcp_connected", "tcp_table_connected"]
+           "tcp_connected", "tcp_table_connected", "ns_pid"]
 
 
 @dataclass(frozen=True)
@@ -92,3 +92,15 @@ def tcp_table_connected(table: str) -> bool:
     """The test of tcp_connected on the text of one /proc/net/tcp table. Pure."""
     rows = (ln.split() for ln in table.splitlines()[1:])
     return any(len(r) > 9 and r[3] not in ("0A", "07") and r[9] != "0" for r in rows)
+
+
+def ns_pid(pid: int) -> int | None:
+    """`pid`'s number in its own (innermost) pid namespace, None if gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    return int(line.split()[-1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

@@ -51,7 +51,7 @@ from deltafs.mount import unmount_below
 from ..errors import FailedPrecondition, NotFound
 from .cgroups import Freezer, copy_limits, sweep_cgroup
 from .criu import restore_into, restore_options, runc_for, scratch_dir
-from .procfs import cgroup_procs, task_stat
+from .procfs import cgroup_procs, ns_pid, task_stat
 from .sandbox import Runtime, Sandbox
 
 __all__ = ["Standby", "prepare_standby", "prepare_fresh_standby", "promote_standby", "discard_standby", "list_standbys",
@@ -72,6 +72,7 @@ class Standby:
     promote_ms: float | None = field(default=None)  # until its processes run
     swap_ms: float | None = field(default=None)     # ... and sit in the sandbox's cgroups
     fresh: bool = False     # a stopped fresh init (no process image), not a CRIU restore
+    keep_stopped: tuple[int, ...] = ()  # pids (in the sandbox's pid namespace) stopped when dumped: no SIGCONT
 
     @property
     def bundle(self) -> Path:
@@ -91,7 +92,8 @@ class Standby:
     def to_dict(self) -> dict[str, Any]:
         return {"sandbox_id": self.sandbox_id, "checkpoint_id": self.checkpoint_id, "token": self.token,
                 "root": [m.to_dict() for m in self.root], "pid": self.pid, "memory_bytes": self.memory_bytes,
-                "created": self.created, "prepare_ms": self.prepare_ms, "fresh": self.fresh}
+                "created": self.created, "prepare_ms": self.prepare_ms, "fresh": self.fresh,
+                "keep_stopped": list(self.keep_stopped)}
 
 
 # --- hot standbys ----------------------------------------------------------------------------------
@@ -119,6 +121,7 @@ def prepare_standby(rt: Runtime, sandbox_ref: str, store: ImageStore, checkpoint
     finally:
         shutil.rmtree(image, ignore_errors=True)
     st.prepare_ms = (time.monotonic() - t0) * 1e3
+    st.keep_stopped = tuple(m.meta.get("stopped_nspids") or ())
     (st.dir / "standby.json").write_text(json.dumps(st.to_dict(), indent=2))
     return st
 
@@ -263,7 +266,8 @@ def list_standbys(rt: Runtime, sandbox_ref: str | None = None) -> list[Standby]:
                 continue
             out.append(Standby(j["sandbox_id"], j["checkpoint_id"], j["token"], d,
                                [Mount.from_dict(x) for x in j["root"]], j["pid"], j["memory_bytes"], j["created"],
-                               j.get("prepare_ms", 0.0), fresh=j.get("fresh", False)))
+                               j.get("prepare_ms", 0.0), fresh=j.get("fresh", False),
+                               keep_stopped=tuple(j.get("keep_stopped") or ())))
     return out
 
 
@@ -319,6 +323,8 @@ def promote_standby(rt: Runtime, st: Standby) -> Sandbox:
     src_procs = Path(paths.get("freezer") or next(iter(paths.values()))) / "cgroup.procs"
     moved = [int(x) for x in src_procs.read_text().split()]
     for pid in moved:
+        if st.keep_stopped and ns_pid(pid) in st.keep_stopped:
+            continue  # stopped when dumped (SIGSTOP): CRIU restored it stopped, it stays so
         try:
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:

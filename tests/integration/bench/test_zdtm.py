@@ -34,14 +34,19 @@ ROOT = Path(__file__).resolve().parents[3]
 # accept()ed refused the whole dump).
 # mlock_setuid gave no verdict even natively until the bench's run dir lost
 # its sticky bit (the test renames its output file after a setuid).
+# The stopped* tests (refused as a host limit until crabd froze such a
+# sandbox through its v2 cgroup) are not added, to keep this run short: see
+# tests/integration/crabd/runtime/test_stopped_task.py and
+# bench/results/zdtm/2026-12-02-h15. Nor is unlink_fstat03: its process now
+# comes back with its file (test_link_remap.py), but the test also wants the
+# file's st_dev unchanged, and a rollback's root is a new mount.
 SUBSET = ("pipe00", "sockets00", "posix_timers", "sigpending", "eventfs00",
           "socket_udp", "socket-tcp-local", "file_lease00", "pid00", "socket-tcp-skip-in-flight", "mlock_setuid")
 
 # Still not restorable, by a property of these hosts (reported in the
-# checkpoint's reasons and by `crabd doctor`, see README Reliability).
-KNOWN_FAILING_ISSUE_15 = {
-    "stopped": "host limit: cgroup v1 freezer + PTRACE_SEIZE of a stopped task (the dump is refused at once)",
-}
+# checkpoint's reasons and by `crabd doctor`, see README Reliability): none
+# of issue 15's list now.
+KNOWN_FAILING_ISSUE_15: dict[str, str] = {}
 
 
 def test_subset_passes_every_variant(debian_image):

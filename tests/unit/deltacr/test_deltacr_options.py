@@ -113,3 +113,9 @@ def test_ghost_limit_is_a_config_line_and_a_number_of_bytes():
         with pytest.raises(InvalidArgument):
             DumpOptions(ghost_limit=bad)
     assert DumpOptions.from_dict(DumpOptions(ghost_limit=5).to_dict()).ghost_limit == 5
+
+
+def test_link_remap_goes_into_the_config_file():
+    assert "link-remap" in config_lines(DumpOptions(link_remap=True))
+    assert "link-remap" not in config_lines(DumpOptions())
+    assert DumpOptions.from_dict(DumpOptions(link_remap=True).to_dict()).link_remap

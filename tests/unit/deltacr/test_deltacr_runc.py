@@ -8,7 +8,7 @@ import deltacr.runc as runc_mod
 from deltacr import (CommandFailed, CriuFailed, CriuUnavailable, DumpOptions, Runc, check_criu, criu_errors,
                      needs_sockopt_shim, skipped_in_flight)
 from deltacr.compat import has_cap_sys_resource
-from deltacr.runc import SubprocessCommandRunner
+from deltacr.runc import StallGuard, SubprocessCommandRunner, tree_activity
 from deltacr.testing import FakeCommandRunner
 
 DUMP_LOG = b"""(00.040) Error (criu/util.c:1533): rlimit: Can't setup RLIMIT_NOFILE for self: Operation not permitted
@@ -147,6 +147,106 @@ def test_subprocess_runner_progress_keeps_a_command_alive():
     ticks = iter(range(10**6))
     res = SubprocessCommandRunner().run(["/bin/sleep", "1"], timeout=30, progress=lambda: next(ticks), stall=0.3)
     assert res.returncode == 0 and not res.killed
+
+
+def test_stall_guard_fires_only_after_stall_seconds_without_a_change():
+    g = StallGuard(10.0, now=0.0)
+    assert not g.stalled((100, 5), False, 0.5)
+    assert not g.stalled((100, 5), False, 10.0)   # 9.5 s unchanged: not yet
+    assert g.stalled((100, 5), False, 10.6)       # 10.1 s unchanged: a hung CRIU
+
+
+def test_stall_guard_counts_work_without_log_growth_as_progress():
+    # zdtm maps04 at load 20: a restore's log quiet for 10 s after "Restored"
+    # while CRIU and its tasks still worked; the log bytes alone killed it.
+    g = StallGuard(10.0, now=0.0)
+    for i in range(1, 60):
+        assert not g.stalled((4096, 1000 + i), False, i * 0.5)
+    # and a task waiting for a CPU (runnable, nothing counted yet) is no hang either
+    for i in range(60, 120):
+        assert not g.stalled((4096, 1059), True, i * 0.5)
+    assert g.stalled((4096, 1059), False, 120 * 0.5 + 10.5)
+
+
+def _wait_state(pid, comm, state="S"):
+    for _ in range(1000):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                data = f.read()
+        except FileNotFoundError:
+            data = ""
+        if f"({comm})" in data and data.rsplit(")", 1)[1].split()[0] == state:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{pid} never became {comm} in state {state}")
+
+
+def _children(pid):
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(x) for x in f.read().split()]
+
+
+def test_tree_activity_sees_a_busy_descendant_and_not_a_blocked_one(tmp_path):
+    busy = subprocess.Popen(["/bin/sh", "-c", "yes > /dev/null & wait"])
+    idle = subprocess.Popen(["/bin/sh", "-c", "sleep 30 & wait"])
+    try:
+        for _ in range(500):
+            if _children(busy.pid):
+                break
+            time.sleep(0.01)
+        first = tree_activity(busy.pid)
+        for _ in range(500):   # CPU time and bytes written grow, or it is runnable
+            second = tree_activity(busy.pid)
+            if second != first or second[1]:
+                break
+            time.sleep(0.01)
+        else:
+            raise AssertionError(f"a running `yes` showed no activity: {first} {second}")
+        for _ in range(500):
+            if _children(idle.pid):
+                break
+            time.sleep(0.01)
+        _wait_state(_children(idle.pid)[0], "sleep")
+        a = tree_activity(idle.pid)
+        time.sleep(0.2)
+        assert tree_activity(idle.pid) == a and not a[1]
+    finally:
+        for p in (busy, idle):
+            subprocess.run(["pkill", "-KILL", "-P", str(p.pid)], check=False, timeout=10)
+            p.kill()
+            p.wait()
+
+
+def test_tree_activity_leaves_runc_out(tmp_path):
+    # runc's Go runtime wakes up while it only waits for CRIU: a process named
+    # runc (here a busy `yes` under that name) must not count as progress.
+    fake_runc = tmp_path / "runc"
+    fake_runc.write_bytes(open("/usr/bin/yes", "rb").read())
+    fake_runc.chmod(0o755)
+    p = subprocess.Popen(["/bin/sh", "-c", f"{fake_runc} > /dev/null & wait"])
+    try:
+        for _ in range(500):
+            if _children(p.pid):
+                break
+            time.sleep(0.01)
+        child = _children(p.pid)[0]
+        for _ in range(500):
+            with open(f"/proc/{child}/comm") as f:
+                if f.read().strip() == "runc":
+                    break
+            time.sleep(0.01)
+        assert tree_activity(p.pid) == (0, False)
+    finally:
+        subprocess.run(["pkill", "-KILL", "-P", str(p.pid)], check=False, timeout=10)
+        p.kill()
+        p.wait()
+
+
+def test_subprocess_runner_keeps_a_busy_command_whose_log_is_quiet():
+    # the caller's progress (a log's bytes) never changes, but CRIU's tree works
+    res = SubprocessCommandRunner().run(["/bin/sh", "-c", "timeout 1.5 sh -c 'while :; do :; done'; exit 0"],
+                                        timeout=60, progress=lambda: 0, stall=0.3)
+    assert not res.killed and res.returncode == 0, res
 
 
 def test_a_killed_dump_says_so_with_crius_last_log_line(tmp_path):

@@ -6,6 +6,7 @@ import pytest
 
 from deltacr import (CHUNK_SIZE, AlreadyExists, ImageCorrupted, ImageStore, InvalidArgument, NotFound, chunk_spans,
                      parse_pagemap)
+from deltacr.store import linked_remaps
 
 PAGE = 4096
 
@@ -167,3 +168,46 @@ def test_logs_are_kept_next_to_the_image(tmp_path):
     log.write_text("(00.1) Dumping finished successfully\n")
     store.put("c1", write_image(tmp_path / "a", [(0x400000, 1)], page_of), logs=[log])
     assert (store.log_dir("c1") / "dump.log").read_text().startswith("(00.1)")
+
+
+def _pb_varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _pb(fields: list[tuple[int, object]]) -> bytes:
+    out = b""
+    for num, v in fields:
+        if isinstance(v, int):
+            out += _pb_varint(num << 3) + _pb_varint(v)
+        else:
+            data = v.encode() if isinstance(v, str) else v
+            out += _pb_varint(num << 3 | 2) + _pb_varint(len(data)) + data
+    return out
+
+
+def _img(entries: list[bytes]) -> bytes:
+    return struct.pack("<II", 0x54564319, 0x12345678) + b"".join(struct.pack("<I", len(e)) + e for e in entries)
+
+
+def _reg(fid: int, name: str) -> bytes:
+    reg = _pb([(1, fid), (2, 0), (3, 0), (5, _pb([(1, 0)])), (6, name)])
+    return _pb([(1, 1), (2, fid), (3, reg)])
+
+
+def test_linked_remaps_pairs_each_old_name_with_crius_link(tmp_path):
+    # what CRIU 4.1.1 writes for zdtm unlink_fstat03 (--link-remap): the old
+    # name, the link it made, and a ghost file (type 1) that is no link
+    (tmp_path / "files.img").write_bytes(_img([_reg(7, "/zdtm-run/unlink_fstat03.test"),
+                                               _reg(9, "/zdtm-run/link_remap.9"), _reg(11, "/tmp/ghost")]))
+    (tmp_path / "remap-fpath.img").write_bytes(_img([_pb([(1, 7), (2, 9), (3, 0)]), _pb([(1, 11), (2, 12), (3, 1)])]))
+    assert linked_remaps(tmp_path) == {"/zdtm-run/unlink_fstat03.test": "/zdtm-run/link_remap.9"}
+
+
+def test_linked_remaps_of_an_image_without_remaps(tmp_path):
+    (tmp_path / "files.img").write_bytes(_img([_reg(7, "/x")]))
+    assert linked_remaps(tmp_path) == {}

@@ -1,0 +1,41 @@
+"""A process holding a file whose name was unlinked while another hard link
+keeps it (zdtm unlink_fstat03: open a, link a b, unlink a) is checkpointed
+with its processes, and a rollback gives it the same file back (issue 15).
+
+Before the fix the dump failed ("Can't create link remap ... Use
+link-remap option"): a files-only checkpoint. CRIU's --link-remap alone
+would not do: its link is made after crabd's FS commit and removed after
+the dump (runtime/linkremap.py).
+"""
+
+from __future__ import annotations
+
+from crabd.testing import settled_checkpoint
+
+import pytest
+
+pytestmark = pytest.mark.needs("runc", "criu", "bpf", "busybox")
+
+HOLD = ("setsid sh -c 'exec 3>/root/a; ln /root/a /root/b; rm /root/a; echo one >&3; exec sleep 3600' "
+        "</dev/null >/dev/null 2>&1 & echo $! > /root/holder.pid")
+FD = "readlink /proc/$(cat /root/holder.pid)/fd/3"
+SAME = "[ $(stat -L -c %i /proc/$(cat /root/holder.pid)/fd/3) = $(stat -c %i /root/b) ] && echo same"
+LEFT = "ls -a /root | grep -E 'link.remap' || true"
+
+
+def test_an_open_unlinked_but_linked_file_round_trips(full_capture):
+    c, sid = full_capture
+    assert c.exec(sid, HOLD)["exit_code"] == 0
+    assert c.exec(sid, "sleep 0.3; " + FD)["stdout"].strip() == "/root/a (deleted)"
+    ck = settled_checkpoint(c, c.exec(sid, "echo two >> /root/b")["checkpoint"])
+    assert ck["state"] == "committed", ck
+    assert ck["proc_image"], f"no process image: {ck['reasons']}"
+    assert c.exec(sid, LEFT)["stdout"].strip() == "", "a link made for the dump was left in the sandbox"
+
+    settled_checkpoint(c, c.exec(sid, "kill -9 $(cat /root/holder.pid); echo three >> /root/b")["checkpoint"])
+    rb = c.rollback(sid, ck["id"])
+    assert rb["restored"].startswith("fs+proc"), rb
+    assert c.exec(sid, FD)["stdout"].strip() == "/root/a (deleted)"
+    assert c.exec(sid, SAME)["stdout"].strip() == "same", "the restored descriptor is not the file /root/b names"
+    assert c.exec(sid, "cat /root/b")["stdout"].split() == ["one", "two"]
+    assert c.exec(sid, LEFT)["stdout"].strip() == "", "a link made for the restore was left in the sandbox"
