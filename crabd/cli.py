@@ -474,6 +474,22 @@ def _fork_to(checkpoint: str, count: int, ref: str, target_socket: Optional[Path
             "sandboxes": [m["sandbox"] for m in made], "created": made}
 
 
+@sandbox_app.command("migrate")
+def sandbox_migrate(sandbox: str,
+                    to: str = typer.Option(..., "--to", help="the registry reference to move it through "
+                                           "(HOST[:PORT]/REPO[:TAG])"),
+                    target_socket: Path = typer.Option(..., "--target-socket", help="the target daemon's API socket"),
+                    registry_auth: Optional[str] = RegistryAuthOpt, insecure: bool = InsecureOpt,
+                    socket: Optional[Path] = SocketOpt, as_json: bool = JsonOpt) -> None:
+    """Live-migrate a sandbox to another daemon: pre-copy, freeze, push the delta, restore there; the source
+    goes only once the target runs it (on any failure it keeps running here)."""
+    r = _guard(lambda: _client(socket).migrate_sandbox(sandbox, to, target_socket.absolute(),
+                                                       registry_auth=registry_auth, insecure=insecure), as_json)
+    _print_json(r) if as_json else out.print(
+        f"{r['sandbox']} -> {r['target_sandbox']} ({r['status']}, restored {r['restored']}) through "
+        f"{r['reference']}; downtime {r['downtime_ms']:.0f} ms")
+
+
 @app.command()
 def events(sandbox: Optional[str] = typer.Option(None, "--sandbox"), follow: bool = typer.Option(False, "--follow", "-f"),
            since: int = typer.Option(0, "--since", help="only events after this seq (page by page, all of them)"),

@@ -175,6 +175,12 @@ class Client:
         return self._req("POST", "/v1/sandboxes/pull",
                          json={**_remote(reference, registry_auth, insecure), "name": name, "processes": processes})
 
+    def migrate_sandbox(self, sid: str, reference: str, target_socket: str | Path, *,
+                        registry_auth: str | None = None, insecure: bool = False) -> dict[str, Any]:
+        """Live-migrate a sandbox to the daemon at `target_socket` through `reference`; reports the downtime."""
+        return self._req("POST", f"/v1/sandboxes/{sid}/migrate",
+                         json={**_remote(reference, registry_auth, insecure), "target_socket": str(target_socket)})
+
     # effects ledger and budgets (crabd/effects.py)
     def effect_intent(self, sid: str, op: str, *, key: str | None = None, args: Any = None,
                       postcondition: str | None = None, volatile: Sequence[str] = (),
@@ -359,6 +365,12 @@ class AsyncClient:
         return await self._req("POST", "/v1/sandboxes/pull",
                                json={**_remote(reference, registry_auth, insecure), "name": name,
                                      "processes": processes})
+
+    async def migrate_sandbox(self, sid: str, reference: str, target_socket: str | Path, *,
+                              registry_auth: str | None = None, insecure: bool = False) -> dict[str, Any]:
+        return await self._req("POST", f"/v1/sandboxes/{sid}/migrate",
+                               json={**_remote(reference, registry_auth, insecure),
+                                     "target_socket": str(target_socket)})
 
     async def effect_intent(self, sid: str, op: str, *, key: str | None = None, args: Any = None,
                             postcondition: str | None = None, volatile: Sequence[str] = (),

@@ -54,7 +54,7 @@ from . import CONFIG_TYPE, FS_LAYER_TYPE, MANIFEST_TYPE, ARTIFACT_TYPE, PROC_PAC
 from .layers import apply_layer, layer_members, member_paths, write_layer
 from .oci import Reference, Registry, parse_reference, sha256_file
 
-__all__ = ["push_checkpoint", "pull_sandbox", "PACK_BYTES", "IMPORTED_PREFIX"]
+__all__ = ["push_checkpoint", "pull_sandbox", "gc_imported", "PACK_BYTES", "IMPORTED_PREFIX"]
 
 PACK_BYTES = 16 << 20
 IMPORTED_PREFIX = "img-rmt-"  # an image-like snapshot: the daemon never drops it with a sandbox
@@ -382,6 +382,10 @@ def pull_sandbox(daemon: Any, ref_text: str, *, name: str | None = None, owner: 
                         pack_files[d] = _fetch(reg, ref.repository, d, pack_descs[d].get("size"), work)
                     frames[k] = (pack_files[d], int(o), int(n))
             timing["download"] = time.monotonic() - t
+        src = config["checkpoint"]
+        origin = str(ref.with_digest(mdigest))
+        # Held until the new sandbox's root stacks on the imported chain: the
+        # GC of imported layers (gc_imported) takes it too.
         with _pull_lock:
             t = time.monotonic()
             top = _import_layers(daemon, names, start, files, work)
@@ -389,22 +393,22 @@ def pull_sandbox(daemon: Any, ref_text: str, *, name: str | None = None, owner: 
             t = time.monotonic()
             image_id = _import_proc(daemon, proc, frames, lengths, mdigest) if proc else None
             timing["proc_import"] = time.monotonic() - t
+            base = CheckpointRow(id=origin, sandbox_id=config["sandbox"]["id"], seq=src["seq"], parent=None,
+                                 branch=0, turn=src["turn"], plan=src["plan"], state="committed", fs_snapshot=top,
+                                 proc_image=image_id)
+            t = time.monotonic()
+            try:
+                row = daemon._new_sandbox(image=image, name=name,
+                                          limits=Limits.from_dict(config["sandbox"]["limits"]), owner=owner,
+                                          parent_snapshot=top, base_checkpoint=base, lineage=None)
+            except BaseException:
+                if image_id:
+                    daemon._drop_image_if_unused(image_id)
+                _gc_imported_locked(daemon)  # a chain this pull imported for nothing
+                raise
+            timing["start"] = time.monotonic() - t
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    src = config["checkpoint"]
-    origin = str(ref.with_digest(mdigest))
-    base = CheckpointRow(id=origin, sandbox_id=config["sandbox"]["id"], seq=src["seq"], parent=None, branch=0,
-                         turn=src["turn"], plan=src["plan"], state="committed", fs_snapshot=top,
-                         proc_image=image_id)
-    t = time.monotonic()
-    try:
-        row = daemon._new_sandbox(image=image, name=name, limits=Limits.from_dict(config["sandbox"]["limits"]),
-                                  owner=owner, parent_snapshot=top, base_checkpoint=base, lineage=None)
-    except BaseException:
-        if image_id:
-            daemon._drop_image_if_unused(image_id)
-        raise
-    timing["start"] = time.monotonic() - t
     from ..daemon.plans import BLIND_RESTORED
     t_row = daemon.turns.get(row.id)
     restored = "fs+proc" if t_row is not None and t_row.blind == BLIND_RESTORED else "fs"
@@ -438,6 +442,8 @@ def _import_layers(daemon: Any, names: list[str], start: int, files: list[str], 
             finally:
                 _unmount_all(mnt)
             fs.commit(names[i], key)
+            if i + 1 < len(names):
+                chaos_point("remote_import")  # CRABD_CHAOS: a daemon killed with half a chain imported
         except BaseException:
             try:
                 fs.remove(key)
@@ -469,3 +475,34 @@ def _import_proc(daemon: Any, proc: dict[str, Any], frames: dict[str, tuple[str,
         raise IntegrityError(f"process image of {mdigest}: {e}",
                              fix="the registry's copy is corrupt or was tampered with: push the checkpoint again") from None
     return image_id
+
+
+# ---- garbage collection -------------------------------------------------------------------
+def gc_imported(daemon: Any, *, at_start: bool = False) -> list[str]:
+    """Remove the imported layer snapshots (`img-rmt-*`) that nothing uses any
+    more: no checkpoint row names them and no snapshot stacks on them (a
+    pulled sandbox's root, its checkpoints, a standby). Called when a sandbox
+    is destroyed and at daemon start; `at_start` also removes the work files
+    of transfers cut short (no transfer runs then). A chain a killed pull left
+    half-imported is named by nothing, so it goes at the next start."""
+    if at_start:
+        shutil.rmtree(Path(daemon.state_dir) / "remote" / "tmp", ignore_errors=True)
+    with _pull_lock:
+        return _gc_imported_locked(daemon)
+
+
+def _gc_imported_locked(daemon: Any) -> list[str]:
+    removed: list[str] = []
+    while True:  # a layer's parent is free once the layer is gone: top down
+        infos = list(daemon.fs.walk())
+        parents = {i.parent for i in infos if i.parent}
+        free = [i.name for i in infos if i.name.startswith(IMPORTED_PREFIX) and i.name not in parents
+                and i.name not in removed and daemon.store.fs_snapshot_refs(i.name) == 0]
+        if not free:
+            return removed
+        for name in free:
+            try:
+                daemon.fs.remove(name)
+            except deltafs.NotFound:
+                pass
+            removed.append(name)
