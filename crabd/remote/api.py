@@ -2,8 +2,10 @@
 
     POST /v1/checkpoints/{cid}/push  {"reference", "registry_auth"?, "insecure"?}
          -> {digest, pinned, blobs_pushed, blobs_skipped, bytes_pushed, bytes_total, ...}
-    POST /v1/sandboxes/pull          {"reference", "name"?, "registry_auth"?, "insecure"?, "processes"?}
+    POST /v1/sandboxes/pull          {"reference", "name"?, "registry_auth"?, "insecure"?, "processes"?,
+                                      "prefetch"?}
          -> 201 {sandbox, status, restored, fs_layers_imported, fs_layers_reused, ...}
+            (prefetch: {prefetched, fs_layers_imported, chunks_imported, ...}, no sandbox)
     POST /v1/sandboxes/{sid}/migrate {"reference", "target_socket", "registry_auth"?, "insecure"?}
          -> {target_sandbox, reference, downtime_ms, phases_ms, precopy, push, ...} (the source is gone)
 
@@ -43,6 +45,8 @@ class PullIn(StrictIn):
     registry_auth: Auth | None = None
     insecure: bool = False
     processes: bool = Field(True, description="restore the checkpoint's processes (CRIU); false: a fresh init")
+    prefetch: bool = Field(False, description="only import its layers and chunks, no sandbox (a migration's "
+                                              "pre-copy)")
 
 
 class MigrateIn(StrictIn):
@@ -72,7 +76,8 @@ def make_router(daemon: Any) -> APIRouter:
     async def pull(body: PullIn, owner: Owner) -> dict[str, Any]:
         """A new sandbox from a checkpoint in an OCI registry: its files and (CRIU) its processes."""
         return await asyncio.to_thread(pull_sandbox, daemon, body.reference, name=body.name, owner=owner or "",
-                                       auth=body.registry_auth, insecure=body.insecure, processes=body.processes)
+                                       auth=body.registry_auth, insecure=body.insecure, processes=body.processes,
+                                       prefetch=body.prefetch)
 
     @r.post("/v1/sandboxes/{sid}/migrate", name="migrate_sandbox")
     async def migrate(sid: Id, body: MigrateIn, owner: Owner) -> dict[str, Any]:

@@ -5,7 +5,8 @@ POST /v1/sandboxes/{sid}/migrate), its blocking steps in worker threads,
 and drives the target daemon through its API socket (`crabd.client`).
 
     pre-copy   push the newest committed checkpoint while the sandbox runs
-               (its file-system chain and CRIU chunks reach the registry)
+               (its file-system chain and CRIU chunks reach the registry),
+               and the target imports it (a pull with `prefetch`: no sandbox)
     freeze     the sandbox's cgroup, under its turn lock (no exec meanwhile)
     capture    a checkpoint with files and processes, taken frozen: the
                freezer stays frozen through the CRIU dump (deltacr keeps a
@@ -72,9 +73,14 @@ async def migrate_sandbox(daemon: Any, ref: str, reference: str, target_socket: 
         await daemon._wait_capture(t)
         pre_ck, _ = await asyncio.to_thread(daemon._durable_parent, row.head)
         pre: dict[str, Any] | None = None
+        prefetched: dict[str, Any] | None = None
         if pre_ck is not None:
             pre = await asyncio.to_thread(push_checkpoint, daemon, pre_ck.id, reference, auth=auth,
                                           insecure=insecure)
+            # ... and the target imports it now: after the freeze it fetches
+            # only the delta (the chain's layers it has are reused).
+            prefetched = await asyncio.to_thread(target.pull_sandbox, pre["pinned"], registry_auth=auth,
+                                                 insecure=insecure, prefetch=True)
         async with t.lock:
             await daemon._wait_capture(t)
             row = await asyncio.to_thread(daemon.store.get_sandbox, sid)
@@ -82,7 +88,7 @@ async def migrate_sandbox(daemon: Any, ref: str, reference: str, target_socket: 
             out = await _frozen_move(daemon, row, t, reference, target, auth, insecure)
     finally:
         target.close()
-    out.update(sandbox=sid, precopy=_summary(pre), duration_ms=_ms(time.monotonic() - t0))
+    out.update(sandbox=sid, precopy=_summary(pre), prefetch=prefetched, duration_ms=_ms(time.monotonic() - t0))
     return out
 
 

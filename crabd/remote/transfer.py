@@ -314,9 +314,13 @@ def _fetch(reg: Registry, repo: str, digest: str, size: int | None, work: Path) 
 
 
 def pull_sandbox(daemon: Any, ref_text: str, *, name: str | None = None, owner: str = "",
-                 auth: str | None = None, insecure: bool = False, processes: bool = True) -> dict[str, Any]:
+                 auth: str | None = None, insecure: bool = False, processes: bool = True,
+                 prefetch: bool = False) -> dict[str, Any]:
     """Create a sandbox from the checkpoint artifact at `ref_text`: its files,
-    and its processes restored by CRIU (unless `processes` is False)."""
+    and its processes restored by CRIU (unless `processes` is False).
+    `prefetch`: import its layers and chunks only, no sandbox (a migration's
+    pre-copy: the pull after the freeze then fetches only the delta; the
+    layers stay until the next collection finds nothing on them)."""
     from ..runtime import Limits
     from ..store import CheckpointRow
 
@@ -390,12 +394,23 @@ def pull_sandbox(daemon: Any, ref_text: str, *, name: str | None = None, owner: 
             t = time.monotonic()
             top = _import_layers(daemon, names, start, files, work)
             timing["fs"] = time.monotonic() - t
+            if prefetch:
+                from deltacr.errors import DeltacrError
+                try:
+                    _import_chunks(daemon, frames, lengths)
+                except DeltacrError as e:
+                    raise IntegrityError(f"chunks of {mdigest}: {e}", fix="the registry's copy is corrupt or was "
+                                         "tampered with: push the checkpoint again") from None
+                return {"prefetched": origin, "checkpoint": src["id"], "fs_layers_imported": len(files),
+                        "fs_layers_reused": start, "chunks_imported": len(frames), "packs_pulled": len(pack_files),
+                        "duration_ms": round((time.monotonic() - t0) * 1000, 3)}
             t = time.monotonic()
             image_id = _import_proc(daemon, proc, frames, lengths, mdigest) if proc else None
             timing["proc_import"] = time.monotonic() - t
             base = CheckpointRow(id=origin, sandbox_id=config["sandbox"]["id"], seq=src["seq"], parent=None,
                                  branch=0, turn=src["turn"], plan=src["plan"], state="committed", fs_snapshot=top,
                                  proc_image=image_id)
+            chaos_point("remote_restore")  # CRABD_CHAOS: a target killed with everything imported, before the start
             t = time.monotonic()
             try:
                 row = daemon._new_sandbox(image=image, name=name,
@@ -455,21 +470,26 @@ def _import_layers(daemon: Any, names: list[str], start: int, files: list[str], 
     return names[-1]
 
 
+def _import_chunks(daemon: Any, frames: dict[str, tuple[str, int, int]], lengths: dict[str, int]) -> None:
+    """Store the downloaded chunks (each checked against its blake3 key by the store)."""
+    opened: dict[str, Any] = {}
+    try:
+        for k, (path, off, n) in frames.items():
+            f = opened.get(path) or opened.setdefault(path, open(path, "rb"))
+            f.seek(off)
+            daemon.images.add_chunk_frame(k, f.read(n), lengths.get(k, 0))
+    finally:
+        for f in opened.values():
+            f.close()
+
+
 def _import_proc(daemon: Any, proc: dict[str, Any], frames: dict[str, tuple[str, int, int]],
                  lengths: dict[str, int], mdigest: str) -> str:
     from deltacr.errors import DeltacrError
     images = daemon.images
     image_id = f"rmt-{mdigest[7:19]}-{secrets.token_hex(4)}"
     try:
-        opened: dict[str, Any] = {}
-        try:
-            for k, (path, off, n) in frames.items():
-                f = opened.get(path) or opened.setdefault(path, open(path, "rb"))
-                f.seek(off)
-                images.add_chunk_frame(k, f.read(n), lengths.get(k, 0))
-        finally:
-            for f in opened.values():
-                f.close()
+        _import_chunks(daemon, frames, lengths)
         images.adopt(image_id, proc["manifest"], meta={"imported_from": mdigest})
     except DeltacrError as e:
         raise IntegrityError(f"process image of {mdigest}: {e}",

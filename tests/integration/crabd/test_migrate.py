@@ -78,6 +78,10 @@ def test_migrate_keeps_memory_and_listening_socket_and_stops_the_source(start_da
     r = json.loads(out.stdout)
     assert r["status"] == "running" and r["restored"] == "fs+proc", r
     assert r["downtime_ms"] > 0 and set(r["phases_ms"]) >= {"freeze", "capture", "push", "pull"}, r
+    # The target prefetched the chain while the source ran: after the freeze
+    # it imported only the migration checkpoint's layer.
+    assert r["prefetch"]["fs_layers_imported"] >= 2, r
+    assert r["pull_timing_ms"]["fs"] < r["downtime_ms"], r
     # Pre-copy sent the chain; the frozen push only the delta.
     assert r["precopy"]["blobs_pushed"] >= 3 and r["push"]["blobs_skipped"] >= 2, r
     assert r["push"]["bytes_pushed"] < r["precopy"]["bytes_pushed"], r
@@ -96,11 +100,12 @@ def test_migrate_keeps_memory_and_listening_socket_and_stops_the_source(start_da
 
 
 def test_target_killed_mid_migration_the_source_keeps_running(start_daemon, registry):
-    a, b = start_daemon(), start_daemon(env={"CRABD_CHAOS": "remote_import", **CHAOS})
+    # Killed in the pull after the freeze: the delta imported, the sandbox not yet started.
+    a, b = start_daemon(), start_daemon(env={"CRABD_CHAOS": "remote_restore", **CHAOS})
     ca, cb = a.client(), b.client()
     sid, before = _server_sandbox(ca)
     t, res = _in_thread(lambda: ca.migrate_sandbox(sid, f"{registry.host}/crabd/mig:2", b.socket))
-    wait_until(lambda: "crabd-chaos: remote_import" in b.log.read_text(), "the target mid-import", timeout=300)
+    wait_until(lambda: "crabd-chaos: remote_restore" in b.log.read_text(), "the target mid-pull", timeout=300)
     b.kill9()
     t.join(300)
     assert isinstance(res.get("error"), CrabdError), res
@@ -114,10 +119,10 @@ def test_target_killed_mid_migration_the_source_keeps_running(start_daemon, regi
     b.start()
     assert cb.sandboxes() == []
     assert not any((b.state / "remote" / "tmp").glob("*"))
-    # A second migration goes through; it imports the whole chain again
-    # (nothing of the half-imported one was kept).
+    # A second migration goes through; its prefetch imports the whole chain
+    # again (nothing of the half-imported one was kept).
     r = ca.migrate_sandbox(sid, f"{registry.host}/crabd/mig:2", b.socket)
-    assert r["pull_timing_ms"] and r["status"] == "running", r
+    assert r["prefetch"]["fs_layers_reused"] == 0 and r["status"] == "running", r
     assert ca.sandboxes() == [] and [s["id"] for s in cb.sandboxes()] == [r["target_sandbox"]]
     assert _serving(cb, r["target_sandbox"]) > before
 
