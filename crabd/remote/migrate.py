@@ -156,6 +156,7 @@ async def _frozen_move(daemon: Any, row: Any, t: Any, reference: str, target: An
             "status": pulled["status"], "restored": pulled["restored"],
             "push": {k: pushed[k] for k in ("blobs_pushed", "blobs_skipped", "bytes_pushed", "bytes_total")},
             "downtime_ms": _ms(downtime), "phases_ms": {k: _ms(v) for k, v in phases.items()},
+            "pull": {k: pulled.get(k) for k in ("fs_layers_imported", "fs_layers_reused", "packs_pulled")},
             "pull_timing_ms": pulled.get("timing_ms", {})}
 
 

@@ -81,7 +81,7 @@ def test_migrate_keeps_memory_and_listening_socket_and_stops_the_source(start_da
     # The target prefetched the chain while the source ran: after the freeze
     # it imported only the migration checkpoint's layer.
     assert r["prefetch"]["fs_layers_imported"] >= 2, r
-    assert r["pull_timing_ms"]["fs"] < r["downtime_ms"], r
+    assert r["pull"]["fs_layers_imported"] == 1 and r["pull"]["fs_layers_reused"] >= 2, r
     # Pre-copy sent the chain; the frozen push only the delta.
     assert r["precopy"]["blobs_pushed"] >= 3 and r["push"]["blobs_skipped"] >= 2, r
     assert r["push"]["bytes_pushed"] < r["precopy"]["bytes_pushed"], r
