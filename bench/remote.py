@@ -92,8 +92,8 @@ def _migrations(a: DaemonHandle, b: DaemonHandle, host: str, n: int) -> dict[str
             phases.setdefault(f"pull.{k}", []).append(v)
         if r["restored"] != "fs+proc" or r["status"] != "running":
             problems.append(f"migration {i}: {r['status']}, restored {r['restored']}")
-        if src.client().sandboxes():
-            problems.append(f"migration {i}: the source still holds a sandbox")
+        if any(x["id"] == sid for x in src.client().sandboxes()):
+            problems.append(f"migration {i}: the source still holds {sid}")
         sid, cur = r["target_sandbox"], 1 - cur
         c = dst.client()
         got = c.exec(sid, "python3 /work/srv/get.py /")["stdout"]  # the server's memory, on the new host

@@ -36,7 +36,7 @@ from deltafs.snapshotter import chaos_point
 
 from ..errors import CrabdError, FailedPrecondition, NotFound
 from ..runtime import Freezer
-from .transfer import push_checkpoint
+from .transfer import push_checkpoint, snapshot_tree
 
 log = logging.getLogger("crabd")
 
@@ -81,6 +81,8 @@ async def migrate_sandbox(daemon: Any, ref: str, reference: str, target_socket: 
             # only the delta (the chain's layers it has are reused).
             prefetched = await asyncio.to_thread(target.pull_sandbox, pre["pinned"], registry_auth=auth,
                                                  insecure=insecure, prefetch=True)
+            if pre_ck.fs_snapshot:  # the tree the frozen push diffs against, scanned now
+                await asyncio.to_thread(snapshot_tree, daemon.fs, pre_ck.fs_snapshot)
         async with t.lock:
             await daemon._wait_capture(t)
             row = await asyncio.to_thread(daemon.store.get_sandbox, sid)

@@ -54,7 +54,7 @@ from . import CONFIG_TYPE, FS_LAYER_TYPE, MANIFEST_TYPE, ARTIFACT_TYPE, PROC_PAC
 from .layers import apply_layer, layer_members, member_paths, write_layer
 from .oci import Reference, Registry, parse_reference, sha256_file
 
-__all__ = ["push_checkpoint", "pull_sandbox", "gc_imported", "PACK_BYTES", "IMPORTED_PREFIX"]
+__all__ = ["push_checkpoint", "pull_sandbox", "gc_imported", "snapshot_tree", "PACK_BYTES", "IMPORTED_PREFIX"]
 
 PACK_BYTES = 16 << 20
 IMPORTED_PREFIX = "img-rmt-"  # an image-like snapshot: the daemon never drops it with a sandbox
@@ -91,6 +91,29 @@ def _fs_chain(fs: Any, name: str) -> list[str]:
         if parent is None:
             return list(reversed(chain))
         chain.append(parent)
+
+
+_trees: dict[tuple[int, str, float], Any] = {}
+_trees_lock = threading.Lock()
+TREES_KEPT = 2
+
+
+def snapshot_tree(fs: Any, name: str) -> Any:
+    """`fs.tree(name)`, the last few kept: a committed snapshot never changes,
+    and a migration's frozen push diffs its new snapshot against the one its
+    pre-copy scanned while the sandbox ran (a full scan of an image's tree
+    saved from the downtime)."""
+    key = (id(fs), name, fs.stat(name).created)
+    with _trees_lock:
+        hit = _trees.get(key)
+    if hit is not None:
+        return hit
+    tree = fs.tree(name)
+    with _trees_lock:
+        _trees[key] = tree
+        while len(_trees) > TREES_KEPT:
+            _trees.pop(next(iter(_trees)))
+    return tree
 
 
 def _unmount_all(target: str) -> None:
@@ -182,8 +205,8 @@ def push_checkpoint(daemon: Any, cid: str, ref_text: str, *, auth: str | None = 
                     stats["bytes_total"] += known["size"]
                     fs_layers.append(known)
                 else:
-                    new_tree = daemon.fs.tree(name)
-                    old_tree = daemon.fs.tree(prev) if prev else {}
+                    new_tree = snapshot_tree(daemon.fs, name)
+                    old_tree = snapshot_tree(daemon.fs, prev) if prev else {}
                     paths, whiteouts = member_paths(diff_entries(old_tree, new_tree), new_tree)
                     with _View(daemon.fs, name, Path(daemon.state_dir)) as root:
                         lf = write_layer(root, paths, whiteouts, str(work))
