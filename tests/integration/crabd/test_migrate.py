@@ -99,25 +99,34 @@ def test_migrate_keeps_memory_and_listening_socket_and_stops_the_source(start_da
     assert cb.exec(nid, "cat /data/f")["stdout"] == "kept\nmore\n"
 
 
+def _kill_mid_migration(ca: Any, sid: str, ref: str, target: Any, victim: Any, point: str) -> None:
+    """Migrate in a thread, SIGKILL `victim` at chaos point `point`, restart
+    it without chaos; the migration call fails."""
+    t, res = _in_thread(lambda: ca.migrate_sandbox(sid, ref, target.socket))
+    wait_until(lambda: f"crabd-chaos: {point}" in victim.log.read_text(), f"the migration at {point}", timeout=300)
+    victim.kill9()
+    t.join(300)
+    assert isinstance(res.get("error"), CrabdError), res
+    victim.env = None
+    victim.start()
+
+
+def _runs_on_the_source_only(ca: Any, cb: Any, sid: str, before: int) -> None:
+    """Thawed and running on A, its memory and files intact; B holds nothing of it."""
+    (sb,) = ca.sandboxes()
+    assert sb["id"] == sid and sb["status"] == "running", sb
+    assert _serving(ca, sid) > before
+    assert ca.exec(sid, "cat /data/f")["stdout"] == "kept\n"
+    assert cb.sandboxes() == []
+
+
 def test_target_killed_mid_migration_the_source_keeps_running(start_daemon, registry):
     # Killed in the pull after the freeze: the delta imported, the sandbox not yet started.
     a, b = start_daemon(), start_daemon(env={"CRABD_CHAOS": "remote_restore", **CHAOS})
     ca, cb = a.client(), b.client()
     sid, before = _server_sandbox(ca)
-    t, res = _in_thread(lambda: ca.migrate_sandbox(sid, f"{registry.host}/crabd/mig:2", b.socket))
-    wait_until(lambda: "crabd-chaos: remote_restore" in b.log.read_text(), "the target mid-pull", timeout=300)
-    b.kill9()
-    t.join(300)
-    assert isinstance(res.get("error"), CrabdError), res
-    # The source was thawed and runs on, its memory and files intact.
-    (sb,) = ca.sandboxes()
-    assert sb["id"] == sid and sb["status"] == "running", sb
-    assert _serving(ca, sid) > before
-    assert ca.exec(sid, "cat /data/f")["stdout"] == "kept\n"
-    # The target, back, holds nothing of it.
-    b.env = None
-    b.start()
-    assert cb.sandboxes() == []
+    _kill_mid_migration(ca, sid, f"{registry.host}/crabd/mig:2", b, b, "remote_restore")
+    _runs_on_the_source_only(ca, cb, sid, before)
     assert not any((b.state / "remote" / "tmp").glob("*"))
     # A second migration goes through; its prefetch imports the whole chain
     # again (nothing of the half-imported one was kept).
@@ -128,22 +137,13 @@ def test_target_killed_mid_migration_the_source_keeps_running(start_daemon, regi
 
 
 def test_source_killed_mid_migration_keeps_running_on_the_source(start_daemon, registry):
+    # Killed frozen, its migration checkpoint taken, before the delta push;
+    # restarted, it finds the sandbox frozen and thaws it.
     a, b = start_daemon(env={"CRABD_CHAOS": "migrate_frozen", **CHAOS}), start_daemon()
     ca, cb = a.client(), b.client()
     sid, before = _server_sandbox(ca)
-    t, res = _in_thread(lambda: ca.migrate_sandbox(sid, f"{registry.host}/crabd/mig:3", b.socket))
-    wait_until(lambda: "crabd-chaos: migrate_frozen" in a.log.read_text(), "the source frozen", timeout=300)
-    a.kill9()
-    t.join(300)
-    assert isinstance(res.get("error"), CrabdError), res
-    assert cb.sandboxes() == []
-    a.env = None
-    a.start()  # finds the sandbox frozen and thaws it
-    (sb,) = ca.sandboxes()
-    assert sb["id"] == sid and sb["status"] == "running", sb
-    assert _serving(ca, sid) > before
-    assert ca.exec(sid, "cat /data/f")["stdout"] == "kept\n"
-    assert cb.sandboxes() == []
+    _kill_mid_migration(ca, sid, f"{registry.host}/crabd/mig:3", b, a, "migrate_frozen")
+    _runs_on_the_source_only(ca, cb, sid, before)
 
 
 def test_killed_mid_pull_nothing_half_imported_and_imported_layers_collected(start_daemon, registry):
