@@ -1,7 +1,7 @@
 """Checkpoints through an OCI registry: what a per-turn push costs against a
-full push, and a restore on a second daemon (issue 18).
+full push, a restore on a second daemon, and live migration (issue 18).
 
-    crabd bench remote [--quick] [--json] [--turns N] [--image NAME]
+    crabd bench remote [--quick] [--json] [--turns N] [--image NAME] [--migrations N]
 
 One daemon runs a sandbox for N small turns (a file written, a log line
 appended: a typical edit); after each, its checkpoint is pushed to one
@@ -10,8 +10,15 @@ and to a fresh repository (a full push: every blob sent). A second daemon
 then creates a sandbox from the last push. `incremental_pct` is the p50 of
 the per-turn incremental bytes as a percentage of the p50 full-push bytes.
 
-Migration (`migration_downtime_ms`, `migrated_correct`) is not implemented
-yet: those keys are null / false, and `migration` says so.
+Migration: the `dev-server` trace (debian-py, a Python server whose counter
+lives only in memory) runs on daemon A; the sandbox is then migrated A -> B
+-> A ... (`crabd sandbox migrate`), with a turn that asks the server between
+migrations. `migration_downtime_ms` is the migrations' downtime (frozen on
+the source until running on the target), `migration_phases_ms` where it goes
+(p50 per phase); `migrated_correct`: every migration restored files and
+processes, the source kept nothing, the server answered its counter after
+each one, and at the end the trace's checks pass and its state digest is the
+one before the first migration.
 """
 
 from __future__ import annotations
@@ -24,12 +31,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import inputs
 from bench._stats import percentile
 from crabd.remote.testing import LocalRegistry
 from crabd.runtime import Runtime
-from crabd.testing import DaemonHandle, cleanup_state_dir, settled_checkpoint
+from crabd.testing import DaemonHandle, cleanup_state_dir, settled_checkpoint, settled_checkpoints
+from crabd.traces import STATE_DIGEST, load_trace
 
 TEST_STATE = Path("/var/lib/crabd-test")
+TRACE = Path(__file__).resolve().parent / "traces" / "dev-server.json"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -38,24 +48,78 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--quick", action="store_true", help="busybox and 5 turns")
     ap.add_argument("--turns", type=int, default=20, help="turns after the first checkpoint")
     ap.add_argument("--image", default="debian-py", help="image of the sandbox (from the test image cache)")
+    ap.add_argument("--migrations", type=int, default=10, help="migrations of the dev-server sandbox (--quick: 3)")
     ap.add_argument("--json", action="store_true")
     return ap
 
 
-def _daemon(image: str) -> DaemonHandle:
+def _daemon(*images: str) -> DaemonHandle:
     state = Path(tempfile.mkdtemp(prefix="crabd-bench-remote-", dir="/var/tmp"))
-    Runtime(state).images.import_path(Runtime(TEST_STATE).images.get(image).path, image)
+    for image in dict.fromkeys(images):
+        Runtime(state).images.import_path(Runtime(TEST_STATE).images.get(image).path, image)
     d = DaemonHandle(state)
     d.start()
     return d
 
 
-def run(image: str, turns: int) -> dict[str, Any]:
+def _migrations(a: DaemonHandle, b: DaemonHandle, host: str, n: int) -> dict[str, Any]:
+    """The dev-server trace on A, then `n` migrations back and forth."""
+    t = load_trace(TRACE)
+    hosts = [a, b]
+    c = a.client()
+    sid = c.create_sandbox(t.image)["id"]
+
+    def sh(cmd: list[str] | str, stdin: str | None = None) -> dict[str, Any]:
+        return c.exec(sid, cmd, timeout=600, stdin=stdin)
+
+    inputs.prelude(t, sh)
+    for turn in t.turns:
+        c.exec(sid, turn.run, timeout=600)
+    counter = c.exec(sid, "python3 /work/srv/get.py /")["stdout"]
+    settled_checkpoints(c, sid)
+    want = c.exec(sid, ["python3", "-c", STATE_DIGEST, *t.state_paths])["stdout"]
+    downtime: list[float] = []
+    phases: dict[str, list[float]] = {}
+    problems: list[str] = []
+    cur = 0
+    for i in range(n):
+        src, dst = hosts[cur], hosts[1 - cur]
+        r = src.client().migrate_sandbox(sid, f"{host}/bench/migrate:{i}", dst.socket)
+        downtime.append(r["downtime_ms"])
+        for k, v in r["phases_ms"].items():
+            phases.setdefault(k, []).append(v)
+        for k, v in r["pull_timing_ms"].items():
+            phases.setdefault(f"pull.{k}", []).append(v)
+        if r["restored"] != "fs+proc" or r["status"] != "running":
+            problems.append(f"migration {i}: {r['status']}, restored {r['restored']}")
+        if any(x["id"] == sid for x in src.client().sandboxes()):
+            problems.append(f"migration {i}: the source still holds {sid}")
+        sid, cur = r["target_sandbox"], 1 - cur
+        c = dst.client()
+        got = c.exec(sid, "python3 /work/srv/get.py /")["stdout"]  # the server's memory, on the new host
+        if got != counter:
+            problems.append(f"migration {i}: the server answered {got!r}, not {counter!r}")
+        settled_checkpoints(c, sid)
+    for ch in t.check:
+        r = c.exec(sid, ch.run)
+        if r["exit_code"] != ch.expect_exit or (ch.expect_stdout is not None and r["stdout"] != ch.expect_stdout):
+            problems.append(f"check {ch.run!r}: exit {r['exit_code']}, {r['stdout'][-200:]!r}")
+    if c.exec(sid, ["python3", "-c", STATE_DIGEST, *t.state_paths])["stdout"] != want:
+        problems.append("the state digest differs from the one before the first migration")
+    return {"migration_downtime_ms": {"p50": percentile(downtime, 50, 1), "p99": percentile(downtime, 99, 1),
+                                      "n": len(downtime)},
+            "migration_phases_ms": {k: percentile(v, 50, 1) for k, v in phases.items()},
+            "migrated_correct": not problems and len(downtime) == n, "migration_problems": problems,
+            "migration_trace": t.name, "migration_image": t.image}
+
+
+def run(image: str, turns: int, migrations: int = 10) -> dict[str, Any]:
     reg_dir = Path(tempfile.mkdtemp(prefix="crabd-bench-registry-"))
     reg = LocalRegistry(reg_dir).start()
     a = b = None
+    mig_image = load_trace(TRACE).image
     try:
-        a, b = _daemon(image), _daemon(image)
+        a, b = _daemon(image, mig_image), _daemon(image, mig_image)
         ca, cb = a.client(), b.client()
         sid = ca.create_sandbox(image)["id"]
         first = ca.exec(sid, "mkdir -p /work && echo start > /work/log")
@@ -89,9 +153,7 @@ def run(image: str, turns: int) -> dict[str, Any]:
             "incremental_pct": round(100.0 * (inc_p50 or 0) / (full_p50 or 1), 3),
             "restore_other_daemon_ms": round(restore_ms, 1), "restored": got["restored"],
             "restored_correct": log.count("turn") == turns,
-            "migration_downtime_ms": {"p50": None, "p99": None, "n": 0},
-            "migrated_correct": False,
-            "migration": "not implemented (crabd sandbox migrate is open)",
+            **_migrations(a, b, reg.host, migrations),
         }
     finally:
         for d in (a, b):
@@ -104,8 +166,8 @@ def run(image: str, turns: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
-    image, turns = ("busybox", 5) if a.quick else (a.image, a.turns)
-    out = run(image, turns)
+    image, turns, migrations = ("busybox", 5, 3) if a.quick else (a.image, a.turns, a.migrations)
+    out = run(image, turns, migrations)
     if a.json:
         print(json.dumps(out, indent=2))
     else:

@@ -170,10 +170,18 @@ class Client:
                          json=_remote(reference, registry_auth, insecure))
 
     def pull_sandbox(self, reference: str, *, name: str | None = None, registry_auth: str | None = None,
-                     insecure: bool = False, processes: bool = True) -> dict[str, Any]:
-        """A new sandbox from a pushed checkpoint: its files and its processes."""
+                     insecure: bool = False, processes: bool = True, prefetch: bool = False) -> dict[str, Any]:
+        """A new sandbox from a pushed checkpoint: its files and its processes
+        (`prefetch`: only import them, no sandbox: a migration's pre-copy)."""
         return self._req("POST", "/v1/sandboxes/pull",
-                         json={**_remote(reference, registry_auth, insecure), "name": name, "processes": processes})
+                         json={**_remote(reference, registry_auth, insecure), "name": name, "processes": processes,
+                               "prefetch": prefetch})
+
+    def migrate_sandbox(self, sid: str, reference: str, target_socket: str | Path, *,
+                        registry_auth: str | None = None, insecure: bool = False) -> dict[str, Any]:
+        """Live-migrate a sandbox to the daemon at `target_socket` through `reference`; reports the downtime."""
+        return self._req("POST", f"/v1/sandboxes/{sid}/migrate",
+                         json={**_remote(reference, registry_auth, insecure), "target_socket": str(target_socket)})
 
     # effects ledger and budgets (crabd/effects.py)
     def effect_intent(self, sid: str, op: str, *, key: str | None = None, args: Any = None,
@@ -355,10 +363,16 @@ class AsyncClient:
                                json=_remote(reference, registry_auth, insecure))
 
     async def pull_sandbox(self, reference: str, *, name: str | None = None, registry_auth: str | None = None,
-                           insecure: bool = False, processes: bool = True) -> dict[str, Any]:
+                           insecure: bool = False, processes: bool = True, prefetch: bool = False) -> dict[str, Any]:
         return await self._req("POST", "/v1/sandboxes/pull",
                                json={**_remote(reference, registry_auth, insecure), "name": name,
-                                     "processes": processes})
+                                     "processes": processes, "prefetch": prefetch})
+
+    async def migrate_sandbox(self, sid: str, reference: str, target_socket: str | Path, *,
+                              registry_auth: str | None = None, insecure: bool = False) -> dict[str, Any]:
+        return await self._req("POST", f"/v1/sandboxes/{sid}/migrate",
+                               json={**_remote(reference, registry_auth, insecure),
+                                     "target_socket": str(target_socket)})
 
     async def effect_intent(self, sid: str, op: str, *, key: str | None = None, args: Any = None,
                             postcondition: str | None = None, volatile: Sequence[str] = (),

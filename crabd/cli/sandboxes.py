@@ -75,6 +75,22 @@ def sandbox_inspect(sandbox: str, socket: Optional[Path] = SocketOpt, as_json: b
     show(guard(lambda: client(socket).sandbox(sandbox), as_json), as_json)
 
 
+@sandbox_app.command("migrate")
+def sandbox_migrate(sandbox: str,
+                    to: str = typer.Option(..., "--to", help="the registry reference to move it through "
+                                           "(HOST[:PORT]/REPO[:TAG])"),
+                    target_socket: Path = typer.Option(..., "--target-socket", help="the target daemon's API socket"),
+                    registry_auth: Optional[str] = RegistryAuthOpt, insecure: bool = InsecureOpt,
+                    socket: Optional[Path] = SocketOpt, as_json: bool = JsonOpt) -> None:
+    """Live-migrate a sandbox to another daemon: pre-copy, freeze, push the delta, restore there; the source
+    goes only once the target runs it (on any failure it keeps running here)."""
+    r = guard(lambda: client(socket).migrate_sandbox(sandbox, to, target_socket.absolute(),
+                                                     registry_auth=registry_auth, insecure=insecure), as_json)
+    print_json(r) if as_json else out.print(
+        f"{r['sandbox']} -> {r['target_sandbox']} ({r['status']}, restored {r['restored']}) through "
+        f"{r['reference']}; downtime {r['downtime_ms']:.0f} ms")
+
+
 @sandbox_app.command("rm")
 def sandbox_rm(sandbox: str, socket: Optional[Path] = SocketOpt, as_json: bool = JsonOpt) -> None:
     """Destroy a sandbox and its checkpoints."""

@@ -159,6 +159,8 @@ class Sandboxes(DaemonBase):
             self._drop_image_if_unused(img)
         for s in dict.fromkeys(snaps):
             self._drop_snapshot_if_unused(s)
+        from ..remote.transfer import gc_imported
+        gc_imported(self)  # a pulled sandbox's imported layers, once nothing stacks on them
         self.turns.pop(row.id, None)
         shutil.rmtree(self.state_dir / "full" / row.id, ignore_errors=True)  # capture mode full's copies
         self.metrics.sandboxes.set(len(self.turns))

@@ -133,6 +133,8 @@ class Startup(DaemonBase):
             self._drop_capture_leftovers(ck)
             self.events.emit(EventKind.CHECKPOINT_DISCARDED, ck.sandbox_id, checkpoint=ck.id)
         self._reconcile_runtime()
+        from ..remote.transfer import gc_imported
+        gc_imported(self, at_start=True)  # layers a pull killed half-way imported, its downloads
         self.fs.gc()
         from ..runtime.criu import gc_scratch
         n = gc_scratch()  # CRIU's staging dirs a crashed crabd left on the tmpfs (an hour old at least)

@@ -2,8 +2,12 @@
 
     POST /v1/checkpoints/{cid}/push  {"reference", "registry_auth"?, "insecure"?}
          -> {digest, pinned, blobs_pushed, blobs_skipped, bytes_pushed, bytes_total, ...}
-    POST /v1/sandboxes/pull          {"reference", "name"?, "registry_auth"?, "insecure"?, "processes"?}
+    POST /v1/sandboxes/pull          {"reference", "name"?, "registry_auth"?, "insecure"?, "processes"?,
+                                      "prefetch"?}
          -> 201 {sandbox, status, restored, fs_layers_imported, fs_layers_reused, ...}
+            (prefetch: {prefetched, fs_layers_imported, chunks_imported, ...}, no sandbox)
+    POST /v1/sandboxes/{sid}/migrate {"reference", "target_socket", "registry_auth"?, "insecure"?}
+         -> {target_sandbox, reference, downtime_ms, phases_ms, precopy, push, ...} (the source is gone)
 
 Errors: 502 `registry_error` (unreachable, refused, bad credentials), 500
 `integrity_error` (a blob or manifest that does not match its digest: nothing
@@ -41,9 +45,20 @@ class PullIn(StrictIn):
     registry_auth: Auth | None = None
     insecure: bool = False
     processes: bool = Field(True, description="restore the checkpoint's processes (CRIU); false: a fresh init")
+    prefetch: bool = Field(False, description="only import its layers and chunks, no sandbox (a migration's "
+                                              "pre-copy)")
+
+
+class MigrateIn(StrictIn):
+    reference: Ref
+    target_socket: str = Field(min_length=1, max_length=4096, pattern=r"^/[^\x00]*$",
+                               description="the target crabd's API socket (an absolute path)")
+    registry_auth: Auth | None = None
+    insecure: bool = False
 
 
 def make_router(daemon: Any) -> APIRouter:
+    from .migrate import migrate_sandbox
     from .transfer import pull_sandbox, push_checkpoint
 
     r = APIRouter(tags=["remote"])
@@ -61,6 +76,14 @@ def make_router(daemon: Any) -> APIRouter:
     async def pull(body: PullIn, owner: Owner) -> dict[str, Any]:
         """A new sandbox from a checkpoint in an OCI registry: its files and (CRIU) its processes."""
         return await asyncio.to_thread(pull_sandbox, daemon, body.reference, name=body.name, owner=owner or "",
-                                       auth=body.registry_auth, insecure=body.insecure, processes=body.processes)
+                                       auth=body.registry_auth, insecure=body.insecure, processes=body.processes,
+                                       prefetch=body.prefetch)
+
+    @r.post("/v1/sandboxes/{sid}/migrate", name="migrate_sandbox")
+    async def migrate(sid: Id, body: MigrateIn, owner: Owner) -> dict[str, Any]:
+        """Live migration to another daemon: pre-copy, freeze, capture, push the delta, the target restores
+        it; the source is destroyed only once the target runs it, else thawed and kept."""
+        return await migrate_sandbox(daemon, sid, body.reference, body.target_socket, owner=owner,
+                                     auth=body.registry_auth, insecure=body.insecure)
 
     return r

@@ -54,7 +54,7 @@ from . import CONFIG_TYPE, FS_LAYER_TYPE, MANIFEST_TYPE, ARTIFACT_TYPE, PROC_PAC
 from .layers import apply_layer, layer_members, member_paths, write_layer
 from .oci import Reference, Registry, parse_reference, sha256_file
 
-__all__ = ["push_checkpoint", "pull_sandbox", "PACK_BYTES", "IMPORTED_PREFIX"]
+__all__ = ["push_checkpoint", "pull_sandbox", "gc_imported", "snapshot_tree", "PACK_BYTES", "IMPORTED_PREFIX"]
 
 PACK_BYTES = 16 << 20
 IMPORTED_PREFIX = "img-rmt-"  # an image-like snapshot: the daemon never drops it with a sandbox
@@ -91,6 +91,29 @@ def _fs_chain(fs: Any, name: str) -> list[str]:
         if parent is None:
             return list(reversed(chain))
         chain.append(parent)
+
+
+_trees: dict[tuple[int, str, float], Any] = {}
+_trees_lock = threading.Lock()
+TREES_KEPT = 2
+
+
+def snapshot_tree(fs: Any, name: str) -> Any:
+    """`fs.tree(name)`, the last few kept: a committed snapshot never changes,
+    and a migration's frozen push diffs its new snapshot against the one its
+    pre-copy scanned while the sandbox ran (a full scan of an image's tree
+    saved from the downtime)."""
+    key = (id(fs), name, fs.stat(name).created)
+    with _trees_lock:
+        hit = _trees.get(key)
+    if hit is not None:
+        return hit
+    tree = fs.tree(name)
+    with _trees_lock:
+        _trees[key] = tree
+        while len(_trees) > TREES_KEPT:
+            _trees.pop(next(iter(_trees)))
+    return tree
 
 
 def _unmount_all(target: str) -> None:
@@ -182,8 +205,8 @@ def push_checkpoint(daemon: Any, cid: str, ref_text: str, *, auth: str | None = 
                     stats["bytes_total"] += known["size"]
                     fs_layers.append(known)
                 else:
-                    new_tree = daemon.fs.tree(name)
-                    old_tree = daemon.fs.tree(prev) if prev else {}
+                    new_tree = snapshot_tree(daemon.fs, name)
+                    old_tree = snapshot_tree(daemon.fs, prev) if prev else {}
                     paths, whiteouts = member_paths(diff_entries(old_tree, new_tree), new_tree)
                     with _View(daemon.fs, name, Path(daemon.state_dir)) as root:
                         lf = write_layer(root, paths, whiteouts, str(work))
@@ -314,9 +337,13 @@ def _fetch(reg: Registry, repo: str, digest: str, size: int | None, work: Path) 
 
 
 def pull_sandbox(daemon: Any, ref_text: str, *, name: str | None = None, owner: str = "",
-                 auth: str | None = None, insecure: bool = False, processes: bool = True) -> dict[str, Any]:
+                 auth: str | None = None, insecure: bool = False, processes: bool = True,
+                 prefetch: bool = False) -> dict[str, Any]:
     """Create a sandbox from the checkpoint artifact at `ref_text`: its files,
-    and its processes restored by CRIU (unless `processes` is False)."""
+    and its processes restored by CRIU (unless `processes` is False).
+    `prefetch`: import its layers and chunks only, no sandbox (a migration's
+    pre-copy: the pull after the freeze then fetches only the delta; the
+    layers stay until the next collection finds nothing on them)."""
     from ..runtime import Limits
     from ..store import CheckpointRow
 
@@ -382,29 +409,44 @@ def pull_sandbox(daemon: Any, ref_text: str, *, name: str | None = None, owner: 
                         pack_files[d] = _fetch(reg, ref.repository, d, pack_descs[d].get("size"), work)
                     frames[k] = (pack_files[d], int(o), int(n))
             timing["download"] = time.monotonic() - t
+        src = config["checkpoint"]
+        origin = str(ref.with_digest(mdigest))
+        # Held until the new sandbox's root stacks on the imported chain: the
+        # GC of imported layers (gc_imported) takes it too.
         with _pull_lock:
             t = time.monotonic()
             top = _import_layers(daemon, names, start, files, work)
             timing["fs"] = time.monotonic() - t
+            if prefetch:
+                from deltacr.errors import DeltacrError
+                try:
+                    _import_chunks(daemon, frames, lengths)
+                except DeltacrError as e:
+                    raise IntegrityError(f"chunks of {mdigest}: {e}", fix="the registry's copy is corrupt or was "
+                                         "tampered with: push the checkpoint again") from None
+                return {"prefetched": origin, "checkpoint": src["id"], "fs_layers_imported": len(files),
+                        "fs_layers_reused": start, "chunks_imported": len(frames), "packs_pulled": len(pack_files),
+                        "duration_ms": round((time.monotonic() - t0) * 1000, 3)}
             t = time.monotonic()
             image_id = _import_proc(daemon, proc, frames, lengths, mdigest) if proc else None
             timing["proc_import"] = time.monotonic() - t
+            base = CheckpointRow(id=origin, sandbox_id=config["sandbox"]["id"], seq=src["seq"], parent=None,
+                                 branch=0, turn=src["turn"], plan=src["plan"], state="committed", fs_snapshot=top,
+                                 proc_image=image_id)
+            chaos_point("remote_restore")  # CRABD_CHAOS: a target killed with everything imported, before the start
+            t = time.monotonic()
+            try:
+                row = daemon._new_sandbox(image=image, name=name,
+                                          limits=Limits.from_dict(config["sandbox"]["limits"]), owner=owner,
+                                          parent_snapshot=top, base_checkpoint=base, lineage=None)
+            except BaseException:
+                if image_id:
+                    daemon._drop_image_if_unused(image_id)
+                _gc_imported_locked(daemon)  # a chain this pull imported for nothing
+                raise
+            timing["start"] = time.monotonic() - t
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    src = config["checkpoint"]
-    origin = str(ref.with_digest(mdigest))
-    base = CheckpointRow(id=origin, sandbox_id=config["sandbox"]["id"], seq=src["seq"], parent=None, branch=0,
-                         turn=src["turn"], plan=src["plan"], state="committed", fs_snapshot=top,
-                         proc_image=image_id)
-    t = time.monotonic()
-    try:
-        row = daemon._new_sandbox(image=image, name=name, limits=Limits.from_dict(config["sandbox"]["limits"]),
-                                  owner=owner, parent_snapshot=top, base_checkpoint=base, lineage=None)
-    except BaseException:
-        if image_id:
-            daemon._drop_image_if_unused(image_id)
-        raise
-    timing["start"] = time.monotonic() - t
     from ..daemon.plans import BLIND_RESTORED
     t_row = daemon.turns.get(row.id)
     restored = "fs+proc" if t_row is not None and t_row.blind == BLIND_RESTORED else "fs"
@@ -438,6 +480,8 @@ def _import_layers(daemon: Any, names: list[str], start: int, files: list[str], 
             finally:
                 _unmount_all(mnt)
             fs.commit(names[i], key)
+            if i + 1 < len(names):
+                chaos_point("remote_import")  # CRABD_CHAOS: a daemon killed with half a chain imported
         except BaseException:
             try:
                 fs.remove(key)
@@ -449,23 +493,59 @@ def _import_layers(daemon: Any, names: list[str], start: int, files: list[str], 
     return names[-1]
 
 
+def _import_chunks(daemon: Any, frames: dict[str, tuple[str, int, int]], lengths: dict[str, int]) -> None:
+    """Store the downloaded chunks (each checked against its blake3 key by the store)."""
+    opened: dict[str, Any] = {}
+    try:
+        for k, (path, off, n) in frames.items():
+            f = opened.get(path) or opened.setdefault(path, open(path, "rb"))
+            f.seek(off)
+            daemon.images.add_chunk_frame(k, f.read(n), lengths.get(k, 0))
+    finally:
+        for f in opened.values():
+            f.close()
+
+
 def _import_proc(daemon: Any, proc: dict[str, Any], frames: dict[str, tuple[str, int, int]],
                  lengths: dict[str, int], mdigest: str) -> str:
     from deltacr.errors import DeltacrError
     images = daemon.images
     image_id = f"rmt-{mdigest[7:19]}-{secrets.token_hex(4)}"
     try:
-        opened: dict[str, Any] = {}
-        try:
-            for k, (path, off, n) in frames.items():
-                f = opened.get(path) or opened.setdefault(path, open(path, "rb"))
-                f.seek(off)
-                images.add_chunk_frame(k, f.read(n), lengths.get(k, 0))
-        finally:
-            for f in opened.values():
-                f.close()
+        _import_chunks(daemon, frames, lengths)
         images.adopt(image_id, proc["manifest"], meta={"imported_from": mdigest})
     except DeltacrError as e:
         raise IntegrityError(f"process image of {mdigest}: {e}",
                              fix="the registry's copy is corrupt or was tampered with: push the checkpoint again") from None
     return image_id
+
+
+# ---- garbage collection -------------------------------------------------------------------
+def gc_imported(daemon: Any, *, at_start: bool = False) -> list[str]:
+    """Remove the imported layer snapshots (`img-rmt-*`) that nothing uses any
+    more: no checkpoint row names them and no snapshot stacks on them (a
+    pulled sandbox's root, its checkpoints, a standby). Called when a sandbox
+    is destroyed and at daemon start; `at_start` also removes the work files
+    of transfers cut short (no transfer runs then). A chain a killed pull left
+    half-imported is named by nothing, so it goes at the next start."""
+    if at_start:
+        shutil.rmtree(Path(daemon.state_dir) / "remote" / "tmp", ignore_errors=True)
+    with _pull_lock:
+        return _gc_imported_locked(daemon)
+
+
+def _gc_imported_locked(daemon: Any) -> list[str]:
+    removed: list[str] = []
+    while True:  # a layer's parent is free once the layer is gone: top down
+        infos = list(daemon.fs.walk())
+        parents = {i.parent for i in infos if i.parent}
+        free = [i.name for i in infos if i.name.startswith(IMPORTED_PREFIX) and i.name not in parents
+                and i.name not in removed and daemon.store.fs_snapshot_refs(i.name) == 0]
+        if not free:
+            return removed
+        for name in free:
+            try:
+                daemon.fs.remove(name)
+            except deltafs.NotFound:
+                pass
+            removed.append(name)

@@ -49,11 +49,12 @@ def live(runtime, busybox_image):
         yield d, base
 
 
-# Push and pull talk to the OCI registry a request names: a generated host
-# has none, and the answer is then a 502 registry_error by design. Their
-# request validation is in tests/unit/crabd/test_api_schema.py, their
-# behaviour against a real registry in test_registry.py.
-REMOTE = ("/v1/checkpoints/{cid}/push", "/v1/sandboxes/pull")
+# Push, pull and migrate talk to the OCI registry a request names (migrate
+# also to the daemon socket it names): a generated host has none, and the
+# answer is then a 502 registry_error by design. Their request validation is
+# in tests/unit/crabd/test_api_schema.py, their behaviour against a real
+# registry in test_registry.py and test_migrate.py.
+REMOTE = ("/v1/checkpoints/{cid}/push", "/v1/sandboxes/pull", "/v1/sandboxes/{sid}/migrate")
 
 
 def _without_remote(spec: dict[str, Any]) -> dict[str, Any]:

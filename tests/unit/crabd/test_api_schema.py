@@ -33,9 +33,11 @@ EXAMPLES = 10
 
 @pytest.fixture(scope="module")
 def app() -> Any:
-    # push and pull are crabd.remote's functions, not the daemon's: a body
-    # that passes validation would reach a registry named by generated text
-    with mock.patch("crabd.remote.transfer.push_checkpoint"), mock.patch("crabd.remote.transfer.pull_sandbox"):
+    # push, pull and migrate are crabd.remote's functions, not the daemon's: a
+    # body that passes validation would reach a registry (or a daemon's
+    # socket) named by generated text
+    with mock.patch("crabd.remote.transfer.push_checkpoint"), mock.patch("crabd.remote.transfer.pull_sandbox"), \
+            mock.patch("crabd.remote.migrate.migrate_sandbox", new=mock.AsyncMock(return_value={})):
         return make_app(mock.MagicMock(), token=TOKEN)
 
 

@@ -185,3 +185,41 @@ def test_chunks_move_between_image_stores(tmp_path):
         b.adopt("x-1", {**doc, "created": 0.0})  # a body that does not match its digest
     got = b.adopt("rmt-1", doc)
     assert got.checkpoint_id == "rmt-1" and b.get("rmt-1", tmp_path / "out").files == m.files
+
+
+def test_gc_of_imported_layers_keeps_what_something_uses(tmp_path):
+    """Imported layers go top down once nothing stacks on them and no row names them."""
+    from types import SimpleNamespace
+
+    import deltafs as _deltafs
+    from crabd.remote.transfer import IMPORTED_PREFIX, gc_imported
+
+    class FakeFs:
+        def __init__(self, snaps):
+            self.snaps = dict(snaps)  # name -> parent
+
+        def walk(self):
+            return [SimpleNamespace(name=n, parent=p) for n, p in self.snaps.items()]
+
+        def remove(self, name):
+            if name not in self.snaps:
+                raise _deltafs.NotFound(name)
+            assert name not in self.snaps.values(), f"{name} still has children"
+            del self.snaps[name]
+
+    r = [IMPORTED_PREFIX + c * 8 for c in "abcde"]
+    fs = FakeFs({r[0]: None, r[1]: r[0], r[2]: r[1],   # a chain nothing uses any more
+                 r[3]: None, "root-1": r[3],             # a pulled sandbox's root stacks on r3
+                 r[4]: None, "img-busybox": None})       # r4: named by a checkpoint row; an image
+    refs = {r[4]: 1}
+    store = SimpleNamespace(fs_snapshot_refs=lambda n: refs.get(n, 0))
+    (tmp_path / "remote" / "tmp" / "xfer-1").mkdir(parents=True)
+    daemon = SimpleNamespace(fs=fs, store=store, state_dir=tmp_path)
+    assert gc_imported(daemon) == [r[2], r[1], r[0]]
+    assert set(fs.snaps) == {r[3], "root-1", r[4], "img-busybox"}
+    assert (tmp_path / "remote" / "tmp" / "xfer-1").exists()  # a transfer may be running
+    del fs.snaps["root-1"]
+    refs.clear()
+    assert sorted(gc_imported(daemon, at_start=True)) == sorted([r[3], r[4]])
+    assert set(fs.snaps) == {"img-busybox"}
+    assert not (tmp_path / "remote" / "tmp").exists()
