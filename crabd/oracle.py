@@ -13,10 +13,14 @@ its capture instant. This module lets a benchmark check that promise:
   that holds state (its root, /dev, /dev/shm, any other tmpfs or bind),
   read from the host through /proc/<init>/root one component at a time,
   never following the sandbox's symlinks; the processes of its cgroup (pid
-  namespace numbers, parent, comm, cmdline, signal masks); and per process
-  the application-level state instrumented workloads keep in memory (a
-  state page at `STATE_PAGE_ADDR`, and every shared memory region: SysV,
-  shared anonymous, memfd) read through /proc/<pid>/mem.
+  namespace numbers, parent, comm, cmdline, signal masks, nice, scheduling
+  policy, rlimits); per process the application-level state instrumented
+  workloads keep in memory (a state page at `STATE_PAGE_ADDR`, and every
+  shared memory region: SysV, shared anonymous, memfd) read through
+  /proc/<pid>/mem, and the file descriptions they hold (offsets, and what
+  waits unread in their pipes, FIFOs, sockets and inotify queues); and the
+  System V IPC objects of the sandbox's IPC namespace (messages, semaphore
+  values, segment bytes).
 * `compare` (pure: tested without root) tells what differs between the
   ground truth of k and the same record taken of a fork of checkpoint k.
   A fork runs from the moment it is restored until the benchmark freezes it,
@@ -79,6 +83,7 @@ class _HashCache:
     def __init__(self, before_ns: int) -> None:
         self.before_ns = before_ns
         self.hashes: dict[tuple[Any, ...], str] = {}
+        self.hits = self.hashed = 0  # counters, for the benchmark's profile
 
 
 _CACHE = _HashCache(time.time_ns())
@@ -128,10 +133,12 @@ def _describe(dir_fd: int, name: bytes, st: os.stat_result, cache: _HashCache) -
     old = st.st_ctime_ns < cache.before_ns
     key = (name, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode, st.st_uid, st.st_gid)
     if old and key in cache.hashes and not name.startswith(APPEND_PREFIX.encode()):
+        cache.hits += 1
         return cache.hashes[key]
     content = target = data = ""
     size = st.st_size if kind in ("f", "l") else 0
     if kind == "f":
+        cache.hashed += 1
         content, head = _hash_file(dir_fd, name)
         data = base64.b64encode(head).decode() if head is not None else ""
     elif kind == "l":
@@ -263,6 +270,181 @@ def parse_state_page(b: bytes) -> dict[str, Any] | None:
     return {"name": name, "step": step, "hash": chain, "spin": spin, "ring": sorted(ring)}
 
 
+def _sched(hp: int) -> str:
+    """nice, real-time priority and scheduling policy, from /proc/<pid>/stat."""
+    with open(f"/proc/{hp}/stat", "rb") as f:
+        rest = f.read().rsplit(b")", 1)[1].split()
+    return f"nice={int(rest[16])} rt={int(rest[37])} policy={int(rest[38])}"
+
+
+def _limits(hp: int) -> str:
+    with open(f"/proc/{hp}/limits") as f:
+        return ";".join(" ".join(line.split()) for line in f.read().splitlines()[1:])
+
+
+_SYS_PIDFD_OPEN, _SYS_PIDFD_GETFD = 434, 438
+_SPLICE_F_NONBLOCK = 2
+_MSG_PEEK_DONTWAIT = 0x2 | 0x40
+
+
+def _libc() -> Any:
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    libc.shmat.restype = ctypes.c_void_p
+    libc.shmat.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    libc.shmdt.argtypes = [ctypes.c_void_p]
+    return libc
+
+
+def _fds(hp: int) -> dict[str, str]:
+    """The file descriptions an instrumented worker holds (fds >= 3): what
+    each is, its offset and flags, and what waits in it unread (FIONREAD,
+    and the waiting bytes themselves for pipes, FIFOs and the first
+    datagram of a socket), read without consuming anything on a copy taken
+    with pidfd_getfd(2). A later turn's process may write through a
+    description it took (pidfd_getfd) or queue bytes in one, while the
+    worker sleeps: process state only a process image holds."""
+    import ctypes
+    import fcntl
+    import termios
+
+    import blake3
+    libc = _libc()
+    out: dict[str, str] = {}
+    try:
+        names = sorted(os.listdir(f"/proc/{hp}/fd"), key=int)
+    except OSError:
+        return out
+    pidfd = libc.syscall(_SYS_PIDFD_OPEN, hp, 0)
+    try:
+        for n in names:
+            if int(n) < 3:
+                continue
+            try:
+                link = os.readlink(f"/proc/{hp}/fd/{n}")
+                with open(f"/proc/{hp}/fdinfo/{n}") as f:
+                    info = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
+            except OSError:
+                continue
+            kind = link.split(":", 1)[0] if link.startswith(("pipe:", "socket:", "anon_inode:")) else "file"
+            if kind == "anon_inode":
+                kind = link  # anon_inode:inotify, anon_inode:[io_uring], ...
+            desc = f"{kind} pos={info.get('pos', '').strip()} flags={info.get('flags', '').strip()}"
+            if kind in ("pipe", "socket", "anon_inode:inotify") or (kind == "file" and os.path.exists(
+                    f"/proc/{hp}/fd/{n}") and stat.S_ISFIFO(os.stat(f"/proc/{hp}/fd/{n}").st_mode)):
+                copy = libc.syscall(_SYS_PIDFD_GETFD, pidfd, int(n), 0) if pidfd >= 0 else -1
+                if copy < 0:
+                    desc += " queued=?"
+                else:
+                    try:
+                        buf = bytearray(4)
+                        try:
+                            fcntl.ioctl(copy, termios.FIONREAD, buf)
+                            desc += f" queued={int.from_bytes(buf, 'little')}"
+                        except OSError as e:
+                            desc += f" queued=E{e.errno}"
+                        data = b""
+                        if kind == "socket":
+                            b = ctypes.create_string_buffer(65536)
+                            k = libc.recv(copy, b, 65536, _MSG_PEEK_DONTWAIT)
+                            data = b.raw[:k] if k > 0 else b""
+                        elif kind != "anon_inode:inotify":  # a pipe or FIFO: tee(2) copies, consumes nothing
+                            r, w = os.pipe()
+                            try:
+                                fcntl.fcntl(r, 1031, 1 << 20)  # F_SETPIPE_SZ
+                                k = libc.tee(copy, w, 1 << 20, _SPLICE_F_NONBLOCK)
+                                data = os.read(r, k) if k > 0 else b""
+                            except OSError:
+                                pass
+                            finally:
+                                os.close(r)
+                                os.close(w)
+                        if data:
+                            desc += f" data={blake3.blake3(data).hexdigest()[:32]}"
+                    finally:
+                        os.close(copy)
+            out[n] = desc
+    finally:
+        if pidfd >= 0:
+            os.close(pidfd)
+    return out
+
+
+def read_ipc(init_pid: int) -> dict[str, str] | None:
+    """The System V IPC objects of the sandbox's IPC namespace (CRIU saves
+    them with the processes): per message queue its messages (copied with
+    MSG_COPY, nothing received), per semaphore set its values, per shared
+    memory segment its bytes (attached read-only for the read). Read in a
+    thread of our own that joins the namespace (setns(2) moves only the
+    calling thread; it ends after the read). None when the sandbox shares
+    the host's namespace."""
+    import threading
+    try:
+        if os.stat(f"/proc/{init_pid}/ns/ipc").st_ino == os.stat("/proc/self/ns/ipc").st_ino:
+            return None
+        ns = os.open(f"/proc/{init_pid}/ns/ipc", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    res: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            res["objects"] = _ipc_objects(ns)
+        except Exception as e:  # reported as a record error: the comparison then shows it
+            res["error"] = f"ipc: {e!r}"
+
+    th = threading.Thread(target=run, name="oracle-ipc")
+    th.start()
+    th.join()
+    os.close(ns)
+    if "error" in res:
+        return {"error": res["error"]}
+    return res["objects"]
+
+
+def _ipc_objects(ns: int) -> dict[str, str]:
+    import ctypes
+
+    import blake3
+    libc = _libc()
+    if libc.setns(ns, 0x08000000) != 0:  # CLONE_NEWIPC, this thread only
+        raise OSError(ctypes.get_errno(), "setns")
+    out: dict[str, str] = {}
+
+    def rows(kind: str) -> list[list[str]]:
+        with open(f"/proc/sysvipc/{kind}") as f:
+            return [line.split() for line in f.read().splitlines()[1:] if line.strip()]
+
+    for r in rows("msg"):  # key msqid perms cbytes qnum lspid lrpid uid gid cuid cgid stime rtime ctime
+        qid, qnum = int(r[1]), int(r[4])
+        h = blake3.blake3()
+        buf = ctypes.create_string_buffer(8 + 65536)
+        for i in range(qnum):
+            k = libc.msgrcv(qid, buf, 65536, i, 0o4000 | 0o40000)  # IPC_NOWAIT | MSG_COPY
+            h.update(buf.raw[:8 + max(k, 0)] if k >= 0 else b"E")
+        out[f"msg:{qid}"] = f"key={r[0]} perms={r[2]} cbytes={r[3]} qnum={qnum} uid={r[7]}:{r[8]} " \
+                            f"data={h.hexdigest()[:32]}"
+    for r in rows("sem"):  # key semid perms nsems uid gid cuid cgid otime ctime
+        sid, nsems = int(r[1]), int(r[3])
+        vals = (ctypes.c_ushort * max(nsems, 1))()
+        got = libc.semctl(sid, 0, 13, vals)  # GETALL
+        out[f"sem:{sid}"] = f"key={r[0]} perms={r[2]} nsems={nsems} uid={r[4]}:{r[5]} " \
+                            f"values={list(vals)[:nsems] if got >= 0 else 'E'}"
+    for r in rows("shm"):  # key shmid perms size cpid lpid nattch uid gid cuid cgid atime dtime ctime rss swap
+        mid, size = int(r[1]), int(r[3])
+        a = libc.shmat(mid, None, 0o10000)  # SHM_RDONLY
+        if a in (None, ctypes.c_void_p(-1).value):
+            data = f"E{ctypes.get_errno()}"
+        else:
+            try:
+                data = blake3.blake3(ctypes.string_at(a, size)).hexdigest()[:32]
+            finally:
+                libc.shmdt(a)
+        out[f"shm:{mid}"] = f"key={r[0]} perms={r[2]} size={size} uid={r[7]}:{r[8]} data={data}"
+    return out
+
+
 def read_processes(procs_file: Path) -> dict[str, dict[str, Any]]:
     """The live processes of a cgroup, keyed by their pid in the sandbox's pid namespace."""
     try:
@@ -288,13 +470,15 @@ def read_processes(procs_file: Path) -> dict[str, dict[str, Any]]:
             page, shared = _regions(hp)
             with open(f"/proc/{hp}/oom_score_adj") as f:
                 oom = f.read().strip()
+            sched, limits = _sched(hp), _limits(hp)
+            fds = _fds(hp) if page is not None else None  # an instrumented worker's
         except OSError:
             continue
         ppid = int(st["PPid"])
         out[str(host_to_ns[hp])] = {
             "ppid": host_to_ns.get(ppid, 0), "comm": st["Name"], "cmdline": cmdline, "oom_score_adj": oom,
             "signals": {k: st.get(k, "") for k in ("SigPnd", "ShdPnd", "SigBlk", "SigIgn")},
-            "page": page, "shared": shared}
+            "page": page, "shared": shared, "sched": sched, "limits": limits, "fds": fds}
     return out
 
 
@@ -302,6 +486,7 @@ def read_state(init_pid: int | None, procs_file: Path, *, cache: _HashCache | No
     """The state record of a sandbox (call with it frozen): mounts, then processes."""
     cache = cache or _CACHE
     rec: dict[str, Any] = {"mounts": {}, "processes": {}, "errors": []}
+    hits, hashed = cache.hits, cache.hashed
     if init_pid is None:
         rec["errors"].append("no init process: the sandbox is not running")
         return rec
@@ -327,6 +512,12 @@ def read_state(init_pid: int | None, procs_file: Path, *, cache: _HashCache | No
     finally:
         os.close(root_fd)
     rec["processes"] = read_processes(procs_file)
+    rec["cache"] = {"hits": cache.hits - hits, "hashed": cache.hashed - hashed}
+    ipc = read_ipc(init_pid)
+    if ipc is not None and "error" in ipc:
+        rec["errors"].append(ipc["error"])
+    elif ipc is not None:
+        rec["ipc"] = ipc
     return rec
 
 
@@ -422,7 +613,7 @@ _FIELDS = ("kind", "mode", "owner", "nlink", "size", "content", "target", "rdev"
 @dataclass
 class Difference:
     """One way the restored checkpoint differs from the ground truth."""
-    where: str            # "file" | "process" | "app" | "record"
+    where: str            # "file" | "process" | "app" | "ipc" | "record"
     path: str             # mount:path, or the process's pid in the sandbox
     what: str             # e.g. "missing in checkpoint", "content", "step 3 < 4"
     truth: Any = None
@@ -501,14 +692,22 @@ def compare(truth: dict[str, Any], restored: dict[str, Any]) -> list[Difference]
         if t is None:
             out.append(Difference("process", pid, "not in truth (extra in checkpoint)", None, _proc_view(r)))
             continue
-        for k in ("ppid", "comm", "cmdline", "oom_score_adj"):
+        for k in ("ppid", "comm", "cmdline", "oom_score_adj", "sched", "limits"):
             if t.get(k) != r.get(k):
-                out.append(Difference("process", pid, k, t[k], r[k]))
+                out.append(Difference("process", pid, k, t.get(k), r.get(k)))
         ran = _compare_pages(pid, t.get("page"), r.get("page"), out, prog)
         if t["signals"] != r["signals"] and not ran:
             out.append(Difference("process", pid, "signals", t["signals"], r["signals"]))
         if t.get("shared", {}) != r.get("shared", {}) and not ran:
             out.append(Difference("app", pid, "shared memory", t.get("shared"), r.get("shared")))
+        if t.get("fds") != r.get("fds") and not ran:
+            out.append(Difference("process", pid, "fds", t.get("fds"), r.get("fds")))
+    ti, ri = truth.get("ipc", {}), restored.get("ipc", {})
+    for obj in sorted(set(ti) | set(ri)):
+        if ti.get(obj) != ri.get(obj):
+            what = "missing in checkpoint" if obj not in ri else "not in truth (extra in checkpoint)" \
+                if obj not in ti else "changed"
+            out.append(Difference("ipc", obj, what, ti.get(obj), ri.get(obj)))
     tm, rm = truth.get("mounts", {}), restored.get("mounts", {})
     for mp in sorted(set(tm) | set(rm)):
         if mp not in rm:
@@ -518,6 +717,8 @@ def compare(truth: dict[str, Any], restored: dict[str, Any]) -> list[Difference]
             out.append(Difference("file", mp + ":", "mount not in truth", None, rm[mp]["fstype"]))
             continue
         te, re_ = tm[mp]["entries"], rm[mp]["entries"]
+        if te == re_:
+            continue
         for path in sorted(set(te) | set(re_)):
             a, b = te.get(path), re_.get(path)
             if a == b:
