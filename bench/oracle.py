@@ -433,7 +433,9 @@ class Oracle:
     def run_session(self, turns: list[Turn], out: Outcome, label: str) -> list[dict[str, Any]]:
         """Play `turns` in a new sandbox; return every false negative found (also counted in `out`)."""
         c = self.client()
+        t0 = time.monotonic()
         sid = c.create_sandbox(IMAGE)["id"]
+        out.took("create_sandbox", t0)
         found: list[dict[str, Any]] = []
         ck_turn: dict[str, int] = {}
         self.exec_ns: dict[str, tuple[int, int]] = {}
