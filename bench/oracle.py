@@ -395,7 +395,7 @@ class Oracle:
         self.records = self.state / "oracle"
         self.dh = DaemonHandle(self.state, args=["--oracle", str(self.records)],
                                env={"CRABD_INSPECTOR": "proc"} if a.inspector == "proc" else None)
-        self.cache = _HashCache(time.time_ns())  # set again in start
+        self.cache: _HashCache | None = None
         self._client: Any = None
         self.plant_done = False
         self.ck_info: dict[str, dict[str, Any]] = {}
@@ -407,9 +407,6 @@ class Oracle:
         rt = Runtime(self.state)
         if not rt.images.exists(IMAGE):
             rt.images.import_path(str(inputs.image_rootfs(IMAGE)), IMAGE)
-        # Content hashes of files older than this (the image's) are kept:
-        # every sandbox and fork has them again (crabd/oracle.py, _HashCache)
-        self.cache = _HashCache(time.time_ns())
         self.dh.start()
         self.inspector = (self.client().health() or {}).get("inspector")
 
@@ -436,6 +433,12 @@ class Oracle:
         t0 = time.monotonic()
         sid = c.create_sandbox(IMAGE)["id"]
         out.took("create_sandbox", t0)
+        if self.cache is None:
+            # Content hashes of files older than this are kept: the image's
+            # files, which crabd put in its pool at this first creation (an
+            # instant taken before would make them all newer, hashed again
+            # at every read), and every fork has again.
+            self.cache = _HashCache(time.time_ns())
         found: list[dict[str, Any]] = []
         ck_turn: dict[str, int] = {}
         self.exec_ns: dict[str, tuple[int, int]] = {}

@@ -261,3 +261,19 @@ def test_ipc_objects_changed_or_removed_are_differences():
     assert [(x.where, x.path, x.what) for x in compare(truth, restored)] == [
         ("ipc", "msg:0", "changed"), ("ipc", "sem:1", "missing in checkpoint"),
         ("ipc", "shm:2", "not in truth (extra in checkpoint)")]
+
+
+def test_a_segment_a_worker_that_ran_on_wrote_is_accepted():
+    """A sysv worker's timer fired in the fork after its restore: its
+    attached segment's bytes moved on with it (and its state page says so)."""
+    t_page = _page("w1", 1, "aa" * 32, [(1, "aa" * 16)])
+    r_page = _page("w1", 2, "bb" * 32, [(1, "aa" * 16), (2, "bb" * 16)])
+    truth = _with_worker(_record(ipc={"shm:0": "key=0 perms=600 size=4096 uid=0:0 data=11"}), t_page,
+                         shared={"sysv@7f00": "11"})
+    restored = _with_worker(_record(ipc={"shm:0": "key=0 perms=600 size=4096 uid=0:0 data=22"}), r_page,
+                            shared={"sysv@7f00": "22"})
+    assert compare(truth, restored) == []
+    # the same bytes with the worker not run on: lost
+    stuck = _with_worker(_record(ipc={"shm:0": "key=0 perms=600 size=4096 uid=0:0 data=22"}), t_page,
+                         shared={"sysv@7f00": "22"})
+    assert [(x.where, x.what) for x in compare(truth, stuck)] == [("app", "shared memory"), ("ipc", "changed")]
