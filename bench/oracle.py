@@ -439,6 +439,8 @@ class Oracle:
             # instant taken before would make them all newer, hashed again
             # at every read), and every fork has again.
             self.cache = _HashCache(time.time_ns())
+            # one cold read now (frozen), not one in each fork thread at once
+            self._read_live(sid)
         found: list[dict[str, Any]] = []
         ck_turn: dict[str, int] = {}
         self.exec_ns: dict[str, tuple[int, int]] = {}
