@@ -367,6 +367,95 @@ def op_oom(name, value, how="relative"):
                 os.chdir(here)
 
 
+# --- a new process changes what an older one owns, the older one not running -------------------
+HOLD_FD, PIPE_FD, FIFO_FD, SOCK_FD, INOTIFY_FD = 9, 10, 11, 12, 13
+SYS_PIDFD_OPEN, SYS_PIDFD_GETFD = 434, 438
+IPC_RMID, SETVAL = 0, 16
+PRIO_PROCESS, RLIMIT_NOFILE = 0, 7
+SCHED = {"other": 0, "batch": 3, "idle": 5}
+
+
+def op_getfd(name, data):
+    """pidfd_getfd(2): take the worker's held file description and write through it."""
+    for pid in _workers(name):
+        pidfd = libc.syscall(SYS_PIDFD_OPEN, pid, 0)
+        fd = libc.syscall(SYS_PIDFD_GETFD, pidfd, HOLD_FD, 0) if pidfd >= 0 else -1
+        if fd < 0:
+            _err("pidfd_getfd")
+        os.write(fd, bytes.fromhex(data))
+        os.close(fd)
+        os.close(pidfd)
+
+
+def op_ipc(name, what, data="00"):
+    """Change or remove the worker's SysV IPC objects by id (no msgget/semget/shmget)."""
+    with open(f"/work/oracle-ipc-{name}") as f:
+        msq, sem, shm = (int(x) for x in f.read().split())
+    if what == "msgsnd":
+        b = bytes.fromhex(data)[:200]
+        buf = struct.pack("<q", 1) + b
+        if libc.msgsnd(msq, buf, len(b), 0o4000) < 0:  # IPC_NOWAIT
+            _err("msgsnd")
+    elif what == "msgrm":
+        if libc.msgctl(msq, IPC_RMID, None) < 0:
+            _err("msgctl")
+    elif what == "semset":
+        if libc.semctl(sem, int(data, 16) % 2, SETVAL, ctypes.c_int(int(data[:4], 16) % 1000)) < 0:
+            _err("semctl SETVAL")
+    elif what == "semrm":
+        if libc.semctl(sem, 0, IPC_RMID, 0) < 0:
+            _err("semctl")
+    elif what == "shmw":
+        a = libc.shmat(shm, None, 0)
+        if a in (None, ctypes.c_void_p(-1).value):
+            _err("shmat")
+        b = bytes.fromhex(data)[:4096]
+        ctypes.memmove(a, b, len(b))
+        libc.shmdt(ctypes.c_void_p(a))
+    elif what == "shmrm":
+        if libc.shmctl(shm, IPC_RMID, None) < 0:
+            _err("shmctl")
+    else:
+        raise ValueError(f"ipc: unknown {what}")
+
+
+def op_prio(name, what, value):
+    """Renice the worker, change one of its rlimits (prlimit), or its scheduling policy."""
+    for pid in _workers(name):
+        if what == "nice":
+            os.setpriority(os.PRIO_PROCESS, pid, int(value))
+        elif what == "rlimit":
+            lim = (ctypes.c_uint64 * 2)(int(value), 4096)
+            if libc.prlimit(pid, RLIMIT_NOFILE, lim, None) < 0:
+                _err("prlimit")
+        elif what == "sched":
+            os.sched_setscheduler(pid, SCHED[value], os.sched_param(0))
+        else:
+            raise ValueError(f"prio: unknown {what}")
+
+
+def op_feed(name, what, data):
+    """Leave bytes queued in a queue the worker holds and does not read."""
+    import socket
+    b = bytes.fromhex(data)[:512]
+    for pid in _workers(name):
+        if what == "pipe":
+            fd = os.open(f"/proc/{pid}/fd/{PIPE_FD}", os.O_WRONLY | os.O_NONBLOCK)
+            os.write(fd, b)
+            os.close(fd)
+        elif what == "fifo":
+            fd = os.open(f"/tmp/oracle-fifo-{name}", os.O_WRONLY | os.O_NONBLOCK)
+            os.write(fd, b)
+            os.close(fd)
+        elif what == "unix":
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as u:
+                u.sendto(b, f"/tmp/oracle-sock-{name}")
+        elif what == "inotify":
+            op_append(f"/work/d/oracle-ino-{name}", data)  # a file change, and an event queued for it
+        else:
+            raise ValueError(f"feed: unknown {what}")
+
+
 def op_spawn(name, kind, delay_ms, period_ms, count, path="-"):
     """Double-fork a background worker; returns once it is set up (its
     start-up belongs to this turn; only its timers come later)."""
@@ -419,8 +508,58 @@ class Worker:
             self.shared_map = mmap.mmap(-1, 4096, mmap.MAP_SHARED)
         if kind == "sig":
             signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR2])
+        if kind == "hold":
+            # a file description later turns take with pidfd_getfd and write through
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(fd, HOLD_FD)
+            os.close(fd)
+        elif kind == "ipc":
+            self._ipc_objects()
+        elif kind == "queue":
+            self._queues()
         if kind.startswith("uring"):
             self._uring_chain()
+
+    def _ipc_objects(self):
+        """A message queue, a semaphore set and an (unattached) shared memory
+        segment, made and never touched again: later turns change or remove
+        them by their ids alone (ids in /work/oracle-ipc-<name>)."""
+        ids = [libc.msgget(0, 0o1600), libc.semget(0, 2, 0o1600), libc.shmget(0, 4096, 0o1600)]
+        if min(ids) < 0:
+            _err("ipc objects")
+        with open(f"/work/oracle-ipc-{self.name}", "w") as f:
+            f.write(" ".join(map(str, ids)))
+
+    def _queues(self):
+        """Queues only this process holds and never reads: a pipe's read end
+        (fd PIPE_FD), a FIFO opened read-write (FIFO_FD, /tmp/oracle-fifo-<name>),
+        a bound unix datagram socket (SOCK_FD, /tmp/oracle-sock-<name>) and an
+        inotify instance watching /work/d (INOTIFY_FD)."""
+        import socket
+        r, w = os.pipe()
+        os.dup2(r, PIPE_FD)
+        os.close(r)
+        os.close(w)  # writers open /proc/<pid>/fd/PIPE_FD
+        fifo = f"/tmp/oracle-fifo-{self.name}"
+        if os.path.lexists(fifo):
+            os.unlink(fifo)
+        os.mkfifo(fifo, 0o600)
+        fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
+        os.dup2(fd, FIFO_FD)
+        os.close(fd)
+        sock = f"/tmp/oracle-sock-{self.name}"
+        if os.path.lexists(sock):
+            os.unlink(sock)
+        u = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        u.bind(sock)
+        os.dup2(u.fileno(), SOCK_FD)
+        u.close()
+        os.makedirs("/work/d", exist_ok=True)
+        fd = libc.inotify_init1(os.O_NONBLOCK)
+        if fd < 0 or libc.inotify_add_watch(fd, b"/work/d", 0x2 | 0x100 | 0x200) < 0:  # MODIFY CREATE DELETE
+            _err("inotify")
+        os.dup2(fd, INOTIFY_FD)
+        os.close(fd)
 
     def _uring_chain(self):
         """Every write of this worker, handed to io_uring now as one linked

@@ -13,10 +13,14 @@ its capture instant. This module lets a benchmark check that promise:
   that holds state (its root, /dev, /dev/shm, any other tmpfs or bind),
   read from the host through /proc/<init>/root one component at a time,
   never following the sandbox's symlinks; the processes of its cgroup (pid
-  namespace numbers, parent, comm, cmdline, signal masks); and per process
-  the application-level state instrumented workloads keep in memory (a
-  state page at `STATE_PAGE_ADDR`, and every shared memory region: SysV,
-  shared anonymous, memfd) read through /proc/<pid>/mem.
+  namespace numbers, parent, comm, cmdline, signal masks, nice, scheduling
+  policy, rlimits); per process the application-level state instrumented
+  workloads keep in memory (a state page at `STATE_PAGE_ADDR`, and every
+  shared memory region: SysV, shared anonymous, memfd) read through
+  /proc/<pid>/mem, and the file descriptions they hold (offsets, and what
+  waits unread in their pipes, FIFOs, sockets and inotify queues); and the
+  System V IPC objects of the sandbox's IPC namespace (messages, semaphore
+  values, segment bytes).
 * `compare` (pure: tested without root) tells what differs between the
   ground truth of k and the same record taken of a fork of checkpoint k.
   A fork runs from the moment it is restored until the benchmark freezes it,
@@ -39,6 +43,7 @@ import json
 import os
 import stat
 import struct
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,14 +76,36 @@ _KIND = {stat.S_IFREG: "f", stat.S_IFDIR: "d", stat.S_IFLNK: "l", stat.S_IFIFO: 
 
 # --- reading the state (host side, root) ---------------------------------------------------------
 class _HashCache:
-    """Content hashes of files that did not change since `before_ns` (the
-    image's files): keyed by path, inode, size, mtime and ctime. A file the
-    session touched has a newer ctime (every write, mmap write fault
-    included, updates it) and is always read again."""
+    """What the reads of one oracle learnt about entries that did not change
+    since `before_ns` (a whole second, taken before any session ran: the
+    image's entries), so later reads need not read them again.
+
+    The guarantee it rests on is the kernel's, not crabd's: every change to
+    an inode (a write, an mmap write fault, truncate, chmod, chown, an
+    xattr, a link count) sets its ctime to the current time, and no process
+    can set a ctime back (utimensat sets atime and mtime only; moving the
+    clock back needs CAP_SYS_TIME, which a sandbox lacks, and a time
+    namespace moves only the monotonic and boot clocks). So an entry whose
+    ctime is at or before `before_ns` is in the state it had then, in
+    whatever copy of the tree (a btrfs snapshot keeps inodes and their
+    ctimes; a copy, or a restore that rewrote a file, gets a new ctime and
+    is read again). A directory whose ctime is that old has the same names,
+    naming the same inodes (create, unlink, rename and link in a directory
+    change its ctime and mtime).
+
+    * `hashes`: an old entry's description, keyed by name, inode, size,
+      mtime, ctime, mode and owner (read once per key);
+    * `listings`: an old directory's names (keyed by path, inode, mtime and
+      ctime) with the description of each entry that was old when listed
+      (None for one that was not): a read takes these without a stat, and
+      asks find(1) only for the directories and the entries changed since
+      `before_ns` (`-newerct`), which override what the listing says."""
 
     def __init__(self, before_ns: int) -> None:
-        self.before_ns = before_ns
+        self.before_ns = before_ns // 1_000_000_000 * 1_000_000_000  # find's -newerct takes seconds
         self.hashes: dict[tuple[Any, ...], str] = {}
+        self.listings: dict[tuple[Any, ...], dict[str, str | None]] = {}
+        self.hits = self.hashed = self.listed = 0  # counters, for the benchmark's profile
 
 
 _CACHE = _HashCache(time.time_ns())
@@ -125,13 +152,15 @@ def _describe(dir_fd: int, name: bytes, st: os.stat_result, cache: _HashCache) -
     """One entry as `kind|mode|uid:gid|nlink|size|content|target|rdev|xattrs|data` (mtimes left out:
     a restore need not keep them; content is what matters)."""
     kind = _KIND.get(stat.S_IFMT(st.st_mode), "?")
-    old = st.st_ctime_ns < cache.before_ns
+    old = st.st_ctime_ns <= cache.before_ns
     key = (name, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode, st.st_uid, st.st_gid)
     if old and key in cache.hashes and not name.startswith(APPEND_PREFIX.encode()):
+        cache.hits += 1
         return cache.hashes[key]
     content = target = data = ""
     size = st.st_size if kind in ("f", "l") else 0
     if kind == "f":
+        cache.hashed += 1
         content, head = _hash_file(dir_fd, name)
         data = base64.b64encode(head).decode() if head is not None else ""
     elif kind == "l":
@@ -146,40 +175,125 @@ def _describe(dir_fd: int, name: bytes, st: os.stat_result, cache: _HashCache) -
     return desc
 
 
+_FIND_FMT = "%P\\0%D %i %y %m %U %G %s %T@ %C@\\0"
+
+
+def _ns(t: bytes) -> int:
+    """find's `%T@` (seconds, a dot, the fraction) as integer nanoseconds, exactly."""
+    sec, _, frac = t.partition(b".")
+    return int(sec) * 1_000_000_000 + int((frac[:9] or b"0").ljust(9, b"0"))
+
+
 def _walk_mount(top_fd: int, skip_top: tuple[str, ...], cache: _HashCache) -> dict[str, str]:
     """Every entry of the file system at `top_fd`, not crossing into other
-    mounts (their points are recorded as `mount`), never following a symlink
-    (each directory is opened O_NOFOLLOW relative to its parent's fd)."""
-    out: dict[str, str] = {"": _describe_dir(os.fstat(top_fd))}
-    dev = os.fstat(top_fd).st_dev
+    mounts (their points are recorded as `mount`), never following a symlink.
 
-    def walk(fd: int, rel: str, depth: int) -> None:
-        with os.scandir(fd) as it:
-            names = sorted(os.fsencode(e.name) for e in it)
-        for name in names:
-            if not rel and name.decode(errors="replace").startswith(skip_top):
-                continue
-            path = f"{rel}/{os.fsdecode(name)}" if rel else os.fsdecode(name)
-            try:
-                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-                if stat.S_ISDIR(st.st_mode) and st.st_dev != dev:
+    find(1) walks (`-H`: only the starting point, our own fd, is followed;
+    `-xdev`) and reports every directory, and every other entry changed
+    since the cache's instant; the other entries of an old directory come
+    from its listing in the cache (see `_HashCache` for why that is exact).
+    A directory with no listing is listed here and each entry the find did
+    not report is described, opened below its parent one component at a
+    time, O_NOFOLLOW (the sandbox is frozen: it is the entry find saw).
+    For debian-py's ~14,400 entries, warm: 0.11 s of CPU (find's
+    included) against 0.2 s for the same walk in Python, 0.6-0.7 s against
+    1.1-1.7 s of wall time at load 30 (CPU time is what a loaded host
+    stretches); the ground truth is read inside crabd's freeze."""
+    out: dict[str, str] = {"": _describe_dir(os.fstat(top_fd))}
+    top_dev = os.fstat(top_fd).st_dev
+    since = cache.before_ns // 1_000_000_000
+    p = subprocess.run(["find", "-H", f"/proc/self/fd/{top_fd}/", "-mindepth", "1", "-xdev",
+                        "(", "-type", "d", "-o", "-newerct", f"@{since}", ")", "-printf", _FIND_FMT],
+                       pass_fds=(top_fd,), capture_output=True, timeout=600)
+    for line in p.stderr.decode(errors="replace").splitlines()[:20]:
+        out[f"?find: {line[:300]}"] = "error|find"
+    parts = p.stdout.split(b"\0")
+    new: dict[bytes, tuple[int, ...]] = {}   # changed entries (not dirs), by path
+    dirs: list[tuple[bytes, tuple[int, ...]]] = [(b"", ())]
+    for i in range(0, len(parts) - 1, 2):
+        rel, f = parts[i], parts[i + 1].split(b" ")
+        if skip_top and os.fsdecode(rel.split(b"/", 1)[0]).startswith(skip_top):
+            continue
+        # dev ino mode(kind|perm) uid gid size mtime ctime
+        fields: tuple[int, ...] = (int(f[0]), int(f[1]), _FIND_KIND[f[2]] | int(f[3], 8), int(f[4]), int(f[5]), int(f[6]),
+                  _ns(f[7]), _ns(f[8]))
+        if f[2] == b"d":
+            dirs.append((rel, fields))
+        else:
+            new[rel] = fields
+    new_paths = {os.fsdecode(rel) for rel in new}
+    fds: dict[bytes, int] = {}
+
+    def dir_fd(rel: bytes) -> int:
+        if rel not in fds:
+            fds[rel] = open_rel(top_fd, rel)
+        return fds[rel]
+
+    def describe(rel: bytes) -> str:
+        parent, _, name = rel.rpartition(b"/")
+        try:
+            pfd = dir_fd(parent)
+            return _describe(pfd, name, os.stat(name, dir_fd=pfd, follow_symlinks=False), cache)
+        except OSError as e:  # replaced under us (not frozen), or unreadable
+            return f"error|{errno.errorcode.get(e.errno or 0, e.errno)}"
+
+    try:
+        for rel, fields in dirs:
+            path = os.fsdecode(rel)
+            if rel:
+                if fields[0] != top_dev:
                     out[path] = "mount"
                     continue
-                out[path] = _describe(fd, name, st, cache)
-                if stat.S_ISDIR(st.st_mode):
-                    if depth > 256:
-                        out[path] = "error|too deep"
+                out[path] = _cached(cache, rel, fields) or describe(rel)
+            prefix = path + "/" if path else ""
+            key = (rel, fields[1], fields[6], fields[7]) if rel and fields[7] <= cache.before_ns else None
+            listing = cache.listings.get(key) if key is not None else None
+            if listing is None:
+                try:
+                    with os.scandir(dir_fd(rel)) as it:
+                        names = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+                except OSError as e:
+                    out[prefix + "?"] = f"error|{errno.errorcode.get(e.errno or 0, e.errno)}"
+                    continue
+                listing = {}
+                for name, is_dir in names:
+                    if is_dir or (not rel and name.startswith(skip_top) and skip_top):
                         continue
-                    sub = os.open(name, _O_DIR, dir_fd=fd)
-                    try:
-                        walk(sub, path, depth + 1)
-                    finally:
-                        os.close(sub)
-            except OSError as e:  # replaced under us (not frozen), or unreadable
-                out[path] = f"error|{errno.errorcode.get(e.errno or 0, e.errno)}"
-
-    walk(top_fd, "", 0)
+                    child = os.fsencode(prefix + name)
+                    desc = None if child in new else describe(child)
+                    # (an unreadable entry, or one not old, is described again at each read)
+                    listing[name] = desc if desc is not None and not desc.startswith("error|") else None
+                if key is not None:
+                    cache.listings[key] = listing
+            else:
+                cache.listed += 1
+            for name, desc in listing.items():
+                child_path = prefix + name
+                if child_path in new_paths:
+                    continue
+                out[child_path] = desc if desc is not None else describe(os.fsencode(child_path))
+        for rel in new:
+            out[os.fsdecode(rel)] = describe(rel)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
     return out
+
+
+def _cached(cache: _HashCache, rel: bytes, f: tuple[int, ...]) -> str | None:
+    """An old entry's description from find's fields (dev ino mode uid gid
+    size mtime ctime), with no stat: the key `_describe` files it under."""
+    if f[7] > cache.before_ns:
+        return None
+    name = rel.rpartition(b"/")[2]
+    d = cache.hashes.get((name, f[1], f[5], f[6], f[7], f[2], f[3], f[4]))
+    if d is not None:
+        cache.hits += 1
+    return d
+
+
+_FIND_KIND = {b"f": stat.S_IFREG, b"d": stat.S_IFDIR, b"l": stat.S_IFLNK, b"p": stat.S_IFIFO, b"s": stat.S_IFSOCK,
+              b"c": stat.S_IFCHR, b"b": stat.S_IFBLK}
 
 
 def _describe_dir(st: os.stat_result) -> str:
@@ -263,6 +377,181 @@ def parse_state_page(b: bytes) -> dict[str, Any] | None:
     return {"name": name, "step": step, "hash": chain, "spin": spin, "ring": sorted(ring)}
 
 
+def _sched(hp: int) -> str:
+    """nice, real-time priority and scheduling policy, from /proc/<pid>/stat."""
+    with open(f"/proc/{hp}/stat", "rb") as f:
+        rest = f.read().rsplit(b")", 1)[1].split()
+    return f"nice={int(rest[16])} rt={int(rest[37])} policy={int(rest[38])}"
+
+
+def _limits(hp: int) -> str:
+    with open(f"/proc/{hp}/limits") as f:
+        return ";".join(" ".join(line.split()) for line in f.read().splitlines()[1:])
+
+
+_SYS_PIDFD_OPEN, _SYS_PIDFD_GETFD = 434, 438
+_SPLICE_F_NONBLOCK = 2
+_MSG_PEEK_DONTWAIT = 0x2 | 0x40
+
+
+def _libc() -> Any:
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    libc.shmat.restype = ctypes.c_void_p
+    libc.shmat.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    libc.shmdt.argtypes = [ctypes.c_void_p]
+    return libc
+
+
+def _fds(hp: int) -> dict[str, str]:
+    """The file descriptions an instrumented worker holds (fds >= 3): what
+    each is, its offset and flags, and what waits in it unread (FIONREAD,
+    and the waiting bytes themselves for pipes, FIFOs and the first
+    datagram of a socket), read without consuming anything on a copy taken
+    with pidfd_getfd(2). A later turn's process may write through a
+    description it took (pidfd_getfd) or queue bytes in one, while the
+    worker sleeps: process state only a process image holds."""
+    import ctypes
+    import fcntl
+    import termios
+
+    import blake3
+    libc = _libc()
+    out: dict[str, str] = {}
+    try:
+        names = sorted(os.listdir(f"/proc/{hp}/fd"), key=int)
+    except OSError:
+        return out
+    pidfd = libc.syscall(_SYS_PIDFD_OPEN, hp, 0)
+    try:
+        for n in names:
+            if int(n) < 3:
+                continue
+            try:
+                link = os.readlink(f"/proc/{hp}/fd/{n}")
+                with open(f"/proc/{hp}/fdinfo/{n}") as f:
+                    info = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
+            except OSError:
+                continue
+            kind = link.split(":", 1)[0] if link.startswith(("pipe:", "socket:", "anon_inode:")) else "file"
+            if kind == "anon_inode":
+                kind = link  # anon_inode:inotify, anon_inode:[io_uring], ...
+            desc = f"{kind} pos={info.get('pos', '').strip()} flags={info.get('flags', '').strip()}"
+            if kind in ("pipe", "socket", "anon_inode:inotify") or (kind == "file" and os.path.exists(
+                    f"/proc/{hp}/fd/{n}") and stat.S_ISFIFO(os.stat(f"/proc/{hp}/fd/{n}").st_mode)):
+                copy = libc.syscall(_SYS_PIDFD_GETFD, pidfd, int(n), 0) if pidfd >= 0 else -1
+                if copy < 0:
+                    desc += " queued=?"
+                else:
+                    try:
+                        buf = bytearray(4)
+                        try:
+                            fcntl.ioctl(copy, termios.FIONREAD, buf)
+                            desc += f" queued={int.from_bytes(buf, 'little')}"
+                        except OSError as e:
+                            desc += f" queued=E{e.errno}"
+                        data = b""
+                        if kind == "socket":
+                            b = ctypes.create_string_buffer(65536)
+                            k = libc.recv(copy, b, 65536, _MSG_PEEK_DONTWAIT)
+                            data = b.raw[:k] if k > 0 else b""
+                        elif kind != "anon_inode:inotify":  # a pipe or FIFO: tee(2) copies, consumes nothing
+                            r, w = os.pipe()
+                            try:
+                                fcntl.fcntl(r, 1031, 1 << 20)  # F_SETPIPE_SZ
+                                k = libc.tee(copy, w, 1 << 20, _SPLICE_F_NONBLOCK)
+                                data = os.read(r, k) if k > 0 else b""
+                            except OSError:
+                                pass
+                            finally:
+                                os.close(r)
+                                os.close(w)
+                        if data:
+                            desc += f" data={blake3.blake3(data).hexdigest()[:32]}"
+                    finally:
+                        os.close(copy)
+            out[n] = desc
+    finally:
+        if pidfd >= 0:
+            os.close(pidfd)
+    return out
+
+
+def read_ipc(init_pid: int) -> dict[str, str] | None:
+    """The System V IPC objects of the sandbox's IPC namespace (CRIU saves
+    them with the processes): per message queue its messages (copied with
+    MSG_COPY, nothing received), per semaphore set its values, per shared
+    memory segment its bytes (attached read-only for the read). Read in a
+    thread of our own that joins the namespace (setns(2) moves only the
+    calling thread; it ends after the read). None when the sandbox shares
+    the host's namespace."""
+    import threading
+    try:
+        if os.stat(f"/proc/{init_pid}/ns/ipc").st_ino == os.stat("/proc/self/ns/ipc").st_ino:
+            return None
+        ns = os.open(f"/proc/{init_pid}/ns/ipc", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    res: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            res["objects"] = _ipc_objects(ns)
+        except Exception as e:  # reported as a record error: the comparison then shows it
+            res["error"] = f"ipc: {e!r}"
+
+    th = threading.Thread(target=run, name="oracle-ipc")
+    th.start()
+    th.join()
+    os.close(ns)
+    if "error" in res:
+        return {"error": res["error"]}
+    return res["objects"]
+
+
+def _ipc_objects(ns: int) -> dict[str, str]:
+    import ctypes
+
+    import blake3
+    libc = _libc()
+    if libc.setns(ns, 0x08000000) != 0:  # CLONE_NEWIPC, this thread only
+        raise OSError(ctypes.get_errno(), "setns")
+    out: dict[str, str] = {}
+
+    def rows(kind: str) -> list[list[str]]:
+        with open(f"/proc/sysvipc/{kind}") as f:
+            return [line.split() for line in f.read().splitlines()[1:] if line.strip()]
+
+    for r in rows("msg"):  # key msqid perms cbytes qnum lspid lrpid uid gid cuid cgid stime rtime ctime
+        qid, qnum = int(r[1]), int(r[4])
+        h = blake3.blake3()
+        buf = ctypes.create_string_buffer(8 + 65536)
+        for i in range(qnum):
+            k = libc.msgrcv(qid, buf, 65536, i, 0o4000 | 0o40000)  # IPC_NOWAIT | MSG_COPY
+            h.update(buf.raw[:8 + max(k, 0)] if k >= 0 else b"E")
+        out[f"msg:{qid}"] = f"key={r[0]} perms={r[2]} cbytes={r[3]} qnum={qnum} uid={r[7]}:{r[8]} " \
+                            f"data={h.hexdigest()[:32]}"
+    for r in rows("sem"):  # key semid perms nsems uid gid cuid cgid otime ctime
+        sid, nsems = int(r[1]), int(r[3])
+        vals = (ctypes.c_ushort * max(nsems, 1))()
+        got = libc.semctl(sid, 0, 13, vals)  # GETALL
+        out[f"sem:{sid}"] = f"key={r[0]} perms={r[2]} nsems={nsems} uid={r[4]}:{r[5]} " \
+                            f"values={list(vals)[:nsems] if got >= 0 else 'E'}"
+    for r in rows("shm"):  # key shmid perms size cpid lpid nattch uid gid cuid cgid atime dtime ctime rss swap
+        mid, size = int(r[1]), int(r[3])
+        a = libc.shmat(mid, None, 0o10000)  # SHM_RDONLY
+        if a in (None, ctypes.c_void_p(-1).value):
+            data = f"E{ctypes.get_errno()}"
+        else:
+            try:
+                data = blake3.blake3(ctypes.string_at(a, size)).hexdigest()[:32]
+            finally:
+                libc.shmdt(a)
+        out[f"shm:{mid}"] = f"key={r[0]} perms={r[2]} size={size} uid={r[7]}:{r[8]} data={data}"
+    return out
+
+
 def read_processes(procs_file: Path) -> dict[str, dict[str, Any]]:
     """The live processes of a cgroup, keyed by their pid in the sandbox's pid namespace."""
     try:
@@ -288,13 +577,15 @@ def read_processes(procs_file: Path) -> dict[str, dict[str, Any]]:
             page, shared = _regions(hp)
             with open(f"/proc/{hp}/oom_score_adj") as f:
                 oom = f.read().strip()
+            sched, limits = _sched(hp), _limits(hp)
+            fds = _fds(hp) if page is not None else None  # an instrumented worker's
         except OSError:
             continue
         ppid = int(st["PPid"])
         out[str(host_to_ns[hp])] = {
             "ppid": host_to_ns.get(ppid, 0), "comm": st["Name"], "cmdline": cmdline, "oom_score_adj": oom,
             "signals": {k: st.get(k, "") for k in ("SigPnd", "ShdPnd", "SigBlk", "SigIgn")},
-            "page": page, "shared": shared}
+            "page": page, "shared": shared, "sched": sched, "limits": limits, "fds": fds}
     return out
 
 
@@ -302,6 +593,7 @@ def read_state(init_pid: int | None, procs_file: Path, *, cache: _HashCache | No
     """The state record of a sandbox (call with it frozen): mounts, then processes."""
     cache = cache or _CACHE
     rec: dict[str, Any] = {"mounts": {}, "processes": {}, "errors": []}
+    hits, hashed = cache.hits, cache.hashed
     if init_pid is None:
         rec["errors"].append("no init process: the sandbox is not running")
         return rec
@@ -327,6 +619,12 @@ def read_state(init_pid: int | None, procs_file: Path, *, cache: _HashCache | No
     finally:
         os.close(root_fd)
     rec["processes"] = read_processes(procs_file)
+    rec["cache"] = {"hits": cache.hits - hits, "hashed": cache.hashed - hashed}
+    ipc = read_ipc(init_pid)
+    if ipc is not None and "error" in ipc:
+        rec["errors"].append(ipc["error"])
+    elif ipc is not None:
+        rec["ipc"] = ipc
     return rec
 
 
@@ -422,7 +720,7 @@ _FIELDS = ("kind", "mode", "owner", "nlink", "size", "content", "target", "rdev"
 @dataclass
 class Difference:
     """One way the restored checkpoint differs from the ground truth."""
-    where: str            # "file" | "process" | "app" | "record"
+    where: str            # "file" | "process" | "app" | "ipc" | "record"
     path: str             # mount:path, or the process's pid in the sandbox
     what: str             # e.g. "missing in checkpoint", "content", "step 3 < 4"
     truth: Any = None
@@ -501,14 +799,30 @@ def compare(truth: dict[str, Any], restored: dict[str, Any]) -> list[Difference]
         if t is None:
             out.append(Difference("process", pid, "not in truth (extra in checkpoint)", None, _proc_view(r)))
             continue
-        for k in ("ppid", "comm", "cmdline", "oom_score_adj"):
+        for k in ("ppid", "comm", "cmdline", "oom_score_adj", "sched", "limits"):
             if t.get(k) != r.get(k):
-                out.append(Difference("process", pid, k, t[k], r[k]))
+                out.append(Difference("process", pid, k, t.get(k), r.get(k)))
         ran = _compare_pages(pid, t.get("page"), r.get("page"), out, prog)
         if t["signals"] != r["signals"] and not ran:
             out.append(Difference("process", pid, "signals", t["signals"], r["signals"]))
         if t.get("shared", {}) != r.get("shared", {}) and not ran:
             out.append(Difference("app", pid, "shared memory", t.get("shared"), r.get("shared")))
+        if t.get("fds") != r.get("fds") and not ran:
+            out.append(Difference("process", pid, "fds", t.get("fds"), r.get("fds")))
+    # A SysV segment a worker that ran on after the restore has attached
+    # (its `shared` region holds the same bytes) changed with its progress
+    ran_sysv = {h for pid, p in rp.items() if p.get("page") and p["page"]["name"] in prog.advanced
+                for k, h in (p.get("shared") or {}).items() if k.startswith("sysv@")}
+    ti, ri = truth.get("ipc", {}), restored.get("ipc", {})
+    for obj in sorted(set(ti) | set(ri)):
+        a, b = ti.get(obj), ri.get(obj)
+        if a is not None and b is not None and obj.startswith("shm:") and \
+                a.rsplit(" data=", 1)[0] == b.rsplit(" data=", 1)[0] and b.rsplit(" data=", 1)[1] in ran_sysv:
+            continue
+        if a != b:
+            what = "missing in checkpoint" if obj not in ri else "not in truth (extra in checkpoint)" \
+                if obj not in ti else "changed"
+            out.append(Difference("ipc", obj, what, ti.get(obj), ri.get(obj)))
     tm, rm = truth.get("mounts", {}), restored.get("mounts", {})
     for mp in sorted(set(tm) | set(rm)):
         if mp not in rm:
@@ -518,6 +832,8 @@ def compare(truth: dict[str, Any], restored: dict[str, Any]) -> list[Difference]
             out.append(Difference("file", mp + ":", "mount not in truth", None, rm[mp]["fstype"]))
             continue
         te, re_ = tm[mp]["entries"], rm[mp]["entries"]
+        if te == re_:
+            continue
         for path in sorted(set(te) | set(re_)):
             a, b = te.get(path), re_.get(path)
             if a == b:

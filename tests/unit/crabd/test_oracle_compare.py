@@ -7,6 +7,7 @@ import base64
 import copy
 import os
 import struct
+import time
 
 from crabd.oracle import (APPEND_PREFIX, STATE_PAGE_MAGIC, STATE_RING, _HashCache, _walk_mount, compare,
                           parse_state_page)
@@ -147,6 +148,45 @@ def test_walk_never_follows_symlinks_nor_opens_fifos(tmp_path):
         os.close(fd)
 
 
+def _walk(root, cache):
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return _walk_mount(fd, (), cache)
+    finally:
+        os.close(fd)
+
+
+def test_a_walk_that_takes_old_entries_from_the_cache_sees_every_change(tmp_path):
+    """The cached walk (find reports only directories and entries changed
+    since the cache's instant; the cache's listings and hashes give the
+    rest) equals a full read of every entry, after each kind of change, in
+    place or by rename."""
+    (tmp_path / "d" / "e").mkdir(parents=True)
+    for n in ("a", "b", "c"):
+        (tmp_path / "d" / n).write_bytes(n.encode() * 10)
+    (tmp_path / "d" / "e" / "x").write_bytes(b"x")
+    (tmp_path / "top").write_bytes(b"t")
+    time.sleep(1.05 - time.time() % 1)  # the cache's instant: a whole second after the tree was made
+    cache = _HashCache(time.time_ns())
+    time.sleep(0.02)
+    full = lambda: _walk(tmp_path, _HashCache(0))  # noqa: E731 (nothing is old: every entry read)
+    assert _walk(tmp_path, cache) == full() == _walk(tmp_path, cache)
+    saved = _walk(tmp_path, cache)
+    steps = [lambda: (tmp_path / "d" / "a").write_bytes(b"A" * 10),          # in place: only a's ctime moves
+             lambda: os.chmod(tmp_path / "d" / "e" / "x", 0o600),
+             lambda: os.setxattr(tmp_path / "top", "user.k", b"v"),
+             lambda: os.rename(tmp_path / "d" / "b", tmp_path / "d" / "e" / "b"),
+             lambda: os.unlink(tmp_path / "d" / "c"),
+             lambda: os.link(tmp_path / "top", tmp_path / "d" / "e" / "top2"),
+             lambda: os.symlink("/etc", tmp_path / "d" / "l")]
+    for step in steps:
+        step()
+        got = _walk(tmp_path, cache)
+        assert got == full(), step
+        assert got != saved
+    assert cache.hits and cache.listed  # the unchanged entries were taken from the cache
+
+
 def test_the_daemon_hook_records_at_the_snapshot_or_at_a_snapshotless_commit(tmp_path):
     from types import SimpleNamespace
 
@@ -193,3 +233,49 @@ def test_a_refused_dump_is_checked_on_its_rootfs_files_only():
     restored["mounts"]["/"]["entries"]["work/a"] = _file("bb")
     d = declared(compare(truth, restored), truth)
     assert [(x.where, x.path) for x in d] == [("file", "/work/a")]
+
+
+def test_another_process_s_nice_rlimit_and_policy_are_compared():
+    """A later turn renices a worker, lowers its rlimit or changes its
+    policy (it does not run): the restore must keep each."""
+    truth = _record()
+    truth["processes"]["1"].update(sched="nice=7 rt=0 policy=3", limits="Max open files 64 4096 files")
+    restored = copy.deepcopy(truth)
+    assert compare(truth, restored) == []
+    restored["processes"]["1"].update(sched="nice=0 rt=0 policy=0", limits="Max open files 1024 4096 files")
+    assert [(x.where, x.what) for x in compare(truth, restored)] == [("process", "sched"), ("process", "limits")]
+
+
+def test_bytes_queued_in_a_worker_s_fd_are_compared_unless_it_ran():
+    page = _page("w1", 1, "aa" * 32, [(1, "aa" * 16)])
+    truth = _with_worker(_record(), page)
+    truth["processes"]["7"]["fds"] = {"10": "pipe pos=0 flags=00 queued=6 data=ab"}
+    restored = copy.deepcopy(truth)
+    restored["processes"]["7"]["fds"] = {"10": "pipe pos=0 flags=00 queued=0"}
+    assert [(x.where, x.path, x.what) for x in compare(truth, restored)] == [("process", "7", "fds")]
+
+
+def test_ipc_objects_changed_or_removed_are_differences():
+    truth = _record(ipc={"msg:0": "key=0 perms=600 cbytes=5 qnum=1 uid=0:0 data=ab",
+                         "sem:1": "key=0 perms=600 nsems=2 uid=0:0 values=[0, 7]"})
+    restored = _record(ipc={"msg:0": "key=0 perms=600 cbytes=0 qnum=0 uid=0:0 data=00",
+                            "shm:2": "key=0 perms=600 size=4096 uid=0:0 data=cd"})
+    assert [(x.where, x.path, x.what) for x in compare(truth, restored)] == [
+        ("ipc", "msg:0", "changed"), ("ipc", "sem:1", "missing in checkpoint"),
+        ("ipc", "shm:2", "not in truth (extra in checkpoint)")]
+
+
+def test_a_segment_a_worker_that_ran_on_wrote_is_accepted():
+    """A sysv worker's timer fired in the fork after its restore: its
+    attached segment's bytes moved on with it (and its state page says so)."""
+    t_page = _page("w1", 1, "aa" * 32, [(1, "aa" * 16)])
+    r_page = _page("w1", 2, "bb" * 32, [(1, "aa" * 16), (2, "bb" * 16)])
+    truth = _with_worker(_record(ipc={"shm:0": "key=0 perms=600 size=4096 uid=0:0 data=11"}), t_page,
+                         shared={"sysv@7f00": "11"})
+    restored = _with_worker(_record(ipc={"shm:0": "key=0 perms=600 size=4096 uid=0:0 data=22"}), r_page,
+                            shared={"sysv@7f00": "22"})
+    assert compare(truth, restored) == []
+    # the same bytes with the worker not run on: lost
+    stuck = _with_worker(_record(ipc={"shm:0": "key=0 perms=600 size=4096 uid=0:0 data=22"}), t_page,
+                         shared={"sysv@7f00": "22"})
+    assert [(x.where, x.what) for x in compare(truth, stuck)] == [("app", "shared memory"), ("ipc", "changed")]
