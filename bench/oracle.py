@@ -841,7 +841,7 @@ def result(a: argparse.Namespace, o: Oracle, out: Outcome, shrunk: dict[str, Any
            "effect_kinds": sorted(out.kinds), "effect_counts": out.kinds,
            "faults": out.faults, "not_compared": out.not_compared, "inspector": o.inspector,
            "differences": out.false_negatives, "minimal_sessions": shrunk,
-           "not_covered": ["POSIX message queues (mqueue is not checkpointed state here)",
+           "not_covered": ["POSIX message queues (refused in sandboxes: mq_* fail with ENOSYS, /dev/mqueue is read-only)",
                            "page-level comparison of CRIU images (the fork's restored memory is compared instead)",
                            "unix datagram queues beyond their first datagram (FIONREAD and MSG_PEEK see only the "
                            "first; a second one lost is not seen)",
