@@ -7,6 +7,7 @@
 'use strict';
 
 const PAGE = 100;          // rows per page of the host table, time line, diff
+const DIFF_CHOICES = 50;   // checkpoints offered in the diff's two selects (newest first)
 const TURN_LOAD = 200;     // the sandbox's newest events loaded for the time line; more on demand
 const TREE_VIEW = 24;      // checkpoint tree rows in view: the tree is a scrolled window of its rows
 const TREE_OVERSCAN = 6;   // rows drawn above and below the view (smooth scrolling)
@@ -255,8 +256,16 @@ function renderTree() {
   replace('sb-tree', el('div', { class: 'card' },
     el('h2', {}, `Checkpoint tree (${cks.length} checkpoints, ${lanes.size} branches, ${state.sb.forks.length} forks)`),
     box));
-  box.scrollTop = state.treeTop;
-  renderTreeWindow();
+  renderTreeWindow(state.treeTop);
+  // Layout is read only in the next frame (the browser lays out for it
+  // anyway): reading it here would force a layout of the whole page.
+  requestAnimationFrame(() => {
+    if (state.treeTop) box.scrollTop = state.treeTop;
+    const row = box.querySelector('tr[data-checkpoint]');
+    if (row && row.offsetHeight && Math.abs(row.offsetHeight - state.rowPx) > 1) {
+      state.rowPx = row.offsetHeight; renderTreeWindow(state.treeTop);
+    }
+  });
 }
 function treeRow(c) {
   const t = state.tree, head = t.head;
@@ -281,13 +290,14 @@ function treeRow(c) {
       el('button', { disabled: !done, onclick: () => confirmFork(c) }, 'fork…'), ' ',
       el('button', { onclick: () => { pickDiff(c); } }, 'diff')));
 }
-function renderTreeWindow() {
+// `at`: the scroll offset to draw for (default: the box's own, on a scroll).
+function renderTreeWindow(at) {
   const box = document.getElementById('tree-box'), body = document.getElementById('tree-rows');
   if (!box || !body || !state.tree) return;
   const all = state.tree.ordered, px = state.rowPx;
-  state.treeTop = box.scrollTop;
-  const first = Math.max(0, Math.floor(box.scrollTop / px) - TREE_OVERSCAN);
-  const last = Math.min(all.length, Math.floor(box.scrollTop / px) + TREE_VIEW + TREE_OVERSCAN);
+  state.treeTop = at === undefined ? box.scrollTop : at;
+  const first = Math.max(0, Math.floor(state.treeTop / px) - TREE_OVERSCAN);
+  const last = Math.min(all.length, Math.floor(state.treeTop / px) + TREE_VIEW + TREE_OVERSCAN);
   const pad = (n) => (n > 0 ? [el('tr', { class: 'pad', 'aria-hidden': 'true' }, el('td', {}))] : []);
   const top = pad(first), bottom = pad(all.length - last);
   const drawn = state.tree.drawn;
@@ -297,8 +307,6 @@ function renderTreeWindow() {
   if (top.length) top[0].firstChild.style.height = (first * px) + 'px';
   if (bottom.length) bottom[0].firstChild.style.height = ((all.length - last) * px) + 'px';
   box.style.maxHeight = (TREE_VIEW * px) + 'px';
-  const row = body.querySelector('tr[data-checkpoint]');
-  if (row && row.offsetHeight && Math.abs(row.offsetHeight - px) > 1) { state.rowPx = row.offsetHeight; renderTreeWindow(); }
 }
 function renderTurns() {
   const byCk = new Map(state.sb.checkpoints.map((c) => [c.id, c]));
@@ -321,16 +329,29 @@ function renderTurns() {
     el('table', {}, el('thead', {}, el('tr', {}, ['ended', 'turn', 'branch', 'command', 'exit', 'duration', 'stall',
       'plan', 'reasons', 'bytes', 'pause'].map((c) => el('th', {}, c)))), el('tbody', {}, rows))));
 }
+function diffOption(c, selected) {
+  return el('option', { value: c.id, selected }, `#${c.seq} turn ${c.turn} b${c.branch}`);
+}
 function pickDiff(c) {
   const to = document.getElementById('diff-to'), from = document.getElementById('diff-from');
-  if (to && from) { from.value = to.value; to.value = c.id; }
+  if (!to || !from) return;
+  for (const sel of [to, from]) if (![...sel.options].some((o) => o.value === c.id)) sel.append(diffOption(c, false));
+  from.value = to.value; to.value = c.id;
 }
+// The selects offer the newest DIFF_CHOICES checkpoints (a select of a
+// thousand options costs the page a long layout); the tree's "diff" button
+// adds any other.
 function renderDiff() {
   const cks = state.sb.checkpoints.filter((c) => c.state === 'committed');
-  const opts = (sel) => cks.slice().reverse().map((c) => el('option', { value: c.id, selected: c.id === sel },
-    `#${c.seq} turn ${c.turn} b${c.branch}`));
   const head = state.sb.info.head, hc = cks.find((c) => c.id === head);
   const from = hc && hc.parent ? hc.parent : (cks[0] && cks[0].id);
+  const newest = cks.slice(-DIFF_CHOICES).reverse();
+  const opts = (sel) => {
+    const out = newest.map((c) => diffOption(c, c.id === sel));
+    const picked = cks.find((c) => c.id === sel);
+    if (picked && !newest.includes(picked)) out.push(diffOption(picked, true));
+    return out;
+  };
   replace('sb-diff', el('div', { class: 'card' }, el('h2', {}, 'Diff between two checkpoints'),
     el('div', { class: 'toolbar' }, 'from', el('select', { id: 'diff-from' }, opts(from)), 'to',
       el('select', { id: 'diff-to' }, opts(head)), el('button', { onclick: runDiff }, 'show')),
