@@ -31,6 +31,7 @@ table is paged, the tree is drawn as a window of the rows in view
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from importlib import resources
 from typing import TYPE_CHECKING, Any
@@ -79,13 +80,31 @@ async def send_see_login(send: Any) -> None:
 
 
 def _assets() -> dict[str, tuple[bytes, str]]:
-    """The shipped files by name (read once: a request never names a path)."""
+    """The shipped files by name (read once: a request never names a path).
+    The two pages name the code and style they load with a digest of their
+    content (`/ui/static/ui.js?v=DIGEST`, see `asset_version`): the browser
+    may keep those (a reload asks the daemon for the page and its data
+    only), and a changed file is a new URL."""
     out = {}
     for f in resources.files(__name__).joinpath("static").iterdir():
         suffix = "." + f.name.rsplit(".", 1)[-1]
         if f.is_file() and suffix in _TYPES:
             out[f.name] = (f.read_bytes(), _TYPES[suffix])
+    for page in ("index.html", "login.html"):
+        if page not in out:
+            continue
+        body = out[page][0]
+        for name, (data, _) in out.items():
+            if name.endswith((".js", ".css")):
+                body = body.replace(f'"/ui/static/{name}"'.encode(),
+                                    f'"/ui/static/{name}?v={asset_version(data)}"'.encode())
+        out[page] = (body, out[page][1])
     return out
+
+
+def asset_version(data: bytes) -> str:
+    """A shipped file's version in the URLs that name it: its content's digest."""
+    return hashlib.sha256(data).hexdigest()[:16]
 
 
 def host_summary(daemon: Daemon, owner: str | None, jobs: tuple[list[Any], list[Any]],
@@ -176,13 +195,17 @@ def mount(app: FastAPI, daemon: Daemon) -> None:
     endpoints to the API."""
     assets = _assets()
 
-    def asset(name: str) -> Response:
+    def asset(name: str, version: str | None = None) -> Response:
         try:
             body, ctype = assets[name]
         except KeyError:
             raise NotFound(f"no file {name!r} in the operator view",
                            fix="open /ui/; the page loads its own files") from None
-        return Response(body, media_type=ctype, headers=_HEADERS)
+        headers = _HEADERS
+        if version is not None and version == asset_version(body):
+            # This URL always names these bytes: the browser keeps them (its own cache, not a shared one).
+            headers = {**_HEADERS, "Cache-Control": "private, max-age=31536000, immutable"}
+        return Response(body, media_type=ctype, headers=headers)
 
     @app.get("/ui", include_in_schema=False)
     async def ui_root() -> Response:
@@ -197,8 +220,8 @@ def mount(app: FastAPI, daemon: Daemon) -> None:
         return asset("login.html")
 
     @app.get("/ui/static/{name}", include_in_schema=False)
-    async def ui_static(name: str) -> Response:
-        return asset(name)
+    async def ui_static(name: str, v: str | None = Query(None, max_length=64)) -> Response:
+        return asset(name, v)
 
     @app.get("/v1/host")
     async def host_view(request: Request,

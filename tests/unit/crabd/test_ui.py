@@ -133,3 +133,25 @@ def test_checkpoint_totals_one_pass(tmp_path: Any) -> None:
     assert per["sb-b"] == {"checkpoints": 1, "bytes": 100, "last_plan": "FS"}
     assert recent == {"checkpoints": 3, "bytes": 4196}
     st.close()
+
+
+def test_pages_name_their_files_by_version_and_only_those_urls_are_kept() -> None:
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from crabd.ui import asset_version, mount
+    files = _assets()
+    app = FastAPI()
+    mount(app, None)  # type: ignore[arg-type]  # the files need no daemon
+    c = TestClient(app)
+    for page, code in (("index.html", "ui.js"), ("login.html", "login.js")):
+        html = files[page][0].decode()
+        for name in (code, "ui.css"):
+            v = asset_version(files[name][0])
+            assert f'"/ui/static/{name}?v={v}"' in html, (page, name)
+            r = c.get(f"/ui/static/{name}?v={v}")
+            assert r.status_code == 200 and "immutable" in r.headers["cache-control"], name
+            # Another version (an old page's URL) or none: served, never kept.
+            assert c.get(f"/ui/static/{name}?v=0000").headers["cache-control"] == "no-store"
+            assert c.get(f"/ui/static/{name}").headers["cache-control"] == "no-store"
+    assert c.get("/ui/").headers["cache-control"] == "no-store"   # the page itself: always asked for
