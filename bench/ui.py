@@ -26,7 +26,8 @@ Measured per run, on a fresh page load each (the median of --runs):
   (PerformanceObserver `longtask`, tasks over 50 ms; 0 when none) over both
   loads and the scrolling: how long the page froze.
 Also the API's own times for the biggest replies (`/v1/host`, the big
-sandbox's tree, and its full checkpoint list for comparison) and their
+sandbox's tree and its newest 200 events, which the page reads; its full
+checkpoint list and newest 1,000 events, which it read before) and their
 sizes. `--quick`: one run. Needs root and chromium. The host's load average
 (1 min) is recorded before and after: the machine is shared.
 """
@@ -145,10 +146,12 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         loop.run_until_complete(fwd.start())
         threading.Thread(target=loop.run_forever, daemon=True).start()
         c = d.client()
-        api: dict[str, list[float]] = {"host": [], "tree": [], "checkpoints": []}
+        api: dict[str, list[float]] = {k: [] for k in ("host", "tree", "checkpoints", "turns", "turns_1000")}
         size: dict[str, int] = {}
         paths = {"host": "/v1/host", "tree": f"/v1/sandboxes/{big}/tree",
-                 "checkpoints": f"/v1/sandboxes/{big}/checkpoints?all=true"}
+                 "checkpoints": f"/v1/sandboxes/{big}/checkpoints?all=true",
+                 "turns": f"/v1/events?follow=false&sandbox={big}&latest=200",       # what the page reads
+                 "turns_1000": f"/v1/events?follow=false&sandbox={big}&latest=1000"}  # what it read before
         counted: dict[str, int] = {}
         for _ in range(max(1, a.runs)):
             for k, path in paths.items():
@@ -157,8 +160,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 api[k].append((time.monotonic() - t) * 1000)
                 assert r.status_code == 200, r.text
                 size[k] = len(r.content)
-                counted[k] = len(r.json()["sandboxes" if k == "host" else "checkpoints"])
-        assert counted == {"host": a.sandboxes, "tree": a.big_turns + 1, "checkpoints": a.big_turns + 1}, counted
+                counted[k] = len(r.json()[{"host": "sandboxes", "tree": "checkpoints",
+                                           "checkpoints": "checkpoints"}.get(k, "events")])
+        assert (counted["host"], counted["tree"], counted["checkpoints"]) == \
+            (a.sandboxes, a.big_turns + 1, a.big_turns + 1), counted
         runs: list[dict[str, float]] = []
         base = fwd.url.split("/ui/login")[0]
         with sync_playwright() as pw:
@@ -205,7 +210,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "synthesise_s": round(synth_s, 2),
             "load_avg": {"before": [round(x, 2) for x in load_before],
                          "after": [round(x, 2) for x in os.getloadavg()]},
-            "api_ms": {k: round(median(list(v)), 1) for k, v in api.items()}, "api_bytes": size,
+            "api_ms": {k: round(median(list(v)), 1) for k, v in api.items()}, "api_bytes": size, "api_items": counted,
             "median": med, "runs": runs,
             "within_1s": med["host_ms"] < 1000 and med["sandbox_ms"] < 1000}
 
