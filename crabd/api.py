@@ -94,7 +94,10 @@ class LimitsIn(StrictIn):
         2 * 1024**3, description="memory limit of the sandbox's cgroup (bytes); null: none")
     pids: Annotated[int, Field(ge=8, le=1_000_000), AS_INT] | None = Field(
         1024, description="most processes and threads at once; null: none")
-    cpus: float | None = Field(None, gt=0, le=1024, description="CPU quota in cores; null: none")
+    # The kernel refuses a CFS quota under 1 ms (of the 100 ms period runtime/oci.py sets):
+    # a smaller one failed the sandbox's creation inside runc, a 500 instead of a 422.
+    cpus: float | None = Field(None, ge=0.01, le=1024,
+                               description="CPU quota in cores (at least 0.01: 1 ms of each 100 ms); null: none")
 
 
 class SandboxCreate(StrictIn):

@@ -57,13 +57,14 @@ import secrets
 import time
 import unicodedata
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from .errors import BudgetExceeded, FailedPrecondition, InvalidArgument, IntegrityError, NotFound
 
 __all__ = [
     "BudgetExceeded", "Ledger", "Prior", "Decision", "POLICIES", "STATES", "VOLATILE_NAMES",
     "VOLATILE_SUFFIXES", "canonical_args", "fingerprint", "decide", "effects_after", "budget_problem",
+    "AbandonedLine", "abandoned_line", "seen_not_undone",
 ]
 
 POLICIES = ("replay", "allow", "ask")
@@ -229,6 +230,67 @@ def effects_after(path: Sequence[tuple[str | None, int]], effects: Sequence[dict
     branch belong to lines abandoned by earlier rollbacks."""
     on_line = set(path)
     return [e for e in effects if (e.get("checkpoint"), e.get("branch")) in on_line]
+
+
+@dataclass(frozen=True)
+class AbandonedLine:
+    """What a rollback from the head to a target leaves behind (`abandoned_line`).
+
+    `path`: `effects_after`'s argument, one (checkpoint id, branch of the
+    line that left it towards the head) per checkpoint from the head back to
+    `meets`, both included. `lost`: the checkpoint rows of that stretch
+    without `meets`, newest first: the turns made after the target's line
+    was left, none of them an ancestor of the target. `meets`: where the
+    head's line joins the target's ancestry (the target itself when it is on
+    the head's line); None when the head's line ends first (a broken chain)."""
+    path: list[tuple[str, int]]
+    lost: list[Any]
+    meets: str | None
+
+
+def abandoned_line(head: str | None, branch: int, target: str, get: Callable[[str], Any | None]) -> AbandonedLine:
+    """The stretch of history a rollback of a sandbox at `head` (on `branch`)
+    to `target` abandons: the one ancestor walk behind the rollback's reply,
+    its ledger report and the operator view's preview (pure: `get(id)` gives a
+    checkpoint row with `.parent` and `.branch`, or None when it is gone).
+    An effect is "not undone" by the rollback exactly when it was made on
+    this stretch: after the target in the sandbox's history and not one of
+    the target's ancestors -- for a target on another branch, the stretch
+    stops where the two lines meet, not at the root."""
+    keep: set[str] = set()
+    cid: str | None = target
+    while cid and cid not in keep:
+        keep.add(cid)
+        c = get(cid)
+        cid = c.parent if c is not None else None
+    path: list[tuple[str, int]] = []
+    lost: list[Any] = []
+    cid, b = head, branch
+    walked: set[str] = set()
+    while cid and cid not in walked:   # a cycle (crabd never writes one) still ends
+        walked.add(cid)
+        path.append((cid, b))
+        if cid in keep:
+            return AbandonedLine(path, lost, cid)
+        c = get(cid)
+        if c is None:
+            break
+        lost.append(c)
+        cid, b = c.parent, c.branch
+    return AbandonedLine(path, lost, None)
+
+
+def seen_not_undone(lost: Sequence[Any]) -> list[dict[str, Any]]:
+    """The turns among `lost` (`AbandonedLine.lost`) whose effects the
+    inspector saw reach (or maybe reach) the outside, oldest first: what a
+    rollback's reply lists as `effects_not_undone`."""
+    out = []
+    for c in reversed(lost):
+        eff = c.effects or {}
+        if eff.get("external") or eff.get("external_unknown"):
+            out.append({"checkpoint": c.id, "turn": c.turn, "reasons": eff.get("external_reasons", []),
+                        "unknown": bool(eff.get("external_unknown"))})
+    return out
 
 
 _FLAGS = {"turns": "--turns", "wall_s": "--wall-s", "cost": "--cost", "retries": "--retries"}

@@ -16,7 +16,7 @@ import logging
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import deltafs
 
@@ -129,7 +129,7 @@ class DaemonBase:
         # ledger.py
         def _ledger_after_turn(self, row: SandboxRow, turn: int, ck: CheckpointRow, effects: Any,
                                wall_s: float) -> None: ...
-        def _ledger_report(self, sid: str, row: SandboxRow, ck: CheckpointRow) -> dict[str, Any]: ...
+        def _ledger_report(self, sid: str, row: SandboxRow, path: Sequence[tuple[str, int]]) -> dict[str, Any]: ...
         # maintenance.py
         def _schedule_maintenance(self) -> None: ...
         def _retention(self) -> Any: ...
@@ -153,6 +153,13 @@ class DaemonBase:
         if owner is not None and row.owner != owner:
             raise NotFound(f"no sandbox {row.id!r}")
         return row
+
+    def _checkpoint_or_none(self, cid: str) -> CheckpointRow | None:
+        """A checkpoint row, None when it is gone (crabd.effects.abandoned_line's `get`)."""
+        try:
+            return self.store.get_checkpoint(cid)
+        except NotFound:
+            return None
 
     def _remove_snapshot(self, name: str) -> None:
         try:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
-from ..errors import NotFound
 from ..store import CheckpointRow, SandboxRow
 from .base import DaemonBase
 from .events import EventKind
@@ -40,32 +39,13 @@ class LedgerGlue(DaemonBase):
             log.warning("ledger bookkeeping of %s turn %d failed: %s", row.id, turn, e)
             self.events.emit(EventKind.LEDGER_FAILED, row.id, turn=turn, error=str(e))
 
-    def _ledger_report(self, sid: str, row: SandboxRow, ck: CheckpointRow) -> dict[str, Any]:
-        """Rollback of `sid` from its head to `ck`: the ledger's effects it
-        does not undo. The stretch abandoned runs from the head back to `ck`,
-        or to the head's last common ancestor with `ck` when `ck` is on
-        another line."""
-        if not self.ledger.has_effects(sid):  # the common case: no walk on the rollback's path
+    def _ledger_report(self, sid: str, row: SandboxRow, path: Sequence[tuple[str, int]]) -> dict[str, Any]:
+        """Rollback of `sid` from its head: the ledger's effects it does not
+        undo. `path`: the stretch it abandons (crabd.effects.abandoned_line's
+        `path`: from the head back to the target, or to where the head's line
+        meets the target's when the target is on another branch)."""
+        if not self.ledger.has_effects(sid):  # the common case
             return {"committed_after": [], "unknown": []}
-        keep: set[str] = set()
-        cid: str | None = ck.id
-        while cid:
-            keep.add(cid)
-            try:
-                cid = self.store.get_checkpoint(cid).parent
-            except NotFound:
-                break
-        path: list[tuple[str, int]] = []
-        cid, branch = row.head, row.branch
-        while cid:
-            path.append((cid, branch))
-            if cid in keep:
-                break
-            try:
-                c = self.store.get_checkpoint(cid)
-            except NotFound:
-                break
-            cid, branch = c.parent, c.branch
         return self.ledger.rollback_report(sid, row.lineage, path)
 
     def effect_intent(self, ref: str, op: str, *, key: str | None, args: Any, postcondition: str | None = None,

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from deltafs.snapshotter import chaos_point  # CRABD_CHAOS: bench/chaos.py's kill points
 
+from ..effects import abandoned_line, seen_not_undone
 from ..errors import CrabdError, FailedPrecondition, InvalidArgument, NotFound
 from ..runtime import Limits, Sandbox
 from ..store import CheckpointRow, SandboxRow
@@ -157,8 +158,10 @@ class Rollback(DaemonBase):
         """Record the rollback; `sb`: the sandbox as the promotion left it
         (then nobody asks runc for it again)."""
         t = time.monotonic()
-        not_undone = self._effects_after(row.head, ck.id)
-        ledger = self._ledger_report(sid, row, ck)
+        # One walk: what the inspector saw and what the ledger holds, on the same stretch.
+        line = abandoned_line(row.head, row.branch, ck.id, self._checkpoint_or_none)
+        not_undone = seen_not_undone(line.lost)
+        ledger = self._ledger_report(sid, row, line.path)
         with self.store.transaction():
             self.store.update_sandbox(sid, fs_key=new_key, head=ck.id, branch=row.branch + 1, state="running")
         self._watch(sid, sb)
@@ -192,22 +195,6 @@ class Rollback(DaemonBase):
                 self.runtime.reset(sid)
         self.runtime.start(sid)
         return "fs"
-
-    def _effects_after(self, head: str | None, target: str) -> list[dict[str, Any]]:
-        """External effects recorded on the abandoned line, after `target`."""
-        out = []
-        cid = head
-        while cid and cid != target:
-            try:
-                c = self.store.get_checkpoint(cid)
-            except NotFound:
-                break
-            eff = c.effects or {}
-            if eff.get("external") or eff.get("external_unknown"):
-                out.append({"checkpoint": c.id, "turn": c.turn, "reasons": eff.get("external_reasons", []),
-                            "unknown": bool(eff.get("external_unknown"))})
-            cid = c.parent
-        return list(reversed(out))
 
     async def fork(self, cid: str, count: int = 1, owner: str | None = None,
                    name: str | None = None) -> dict[str, Any]:

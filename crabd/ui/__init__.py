@@ -15,16 +15,23 @@ data; it and its two files are all that is served without a token) sets
 from the URL's fragment. Every API call of the page sends the
 token as a bearer header; a cookie never authorises a change (no CSRF).
 
-Two read-only endpoints are added for the page, both owner-scoped:
+Three read-only endpoints are added for the page, all owner-scoped:
 `GET /v1/host` (sandboxes summarised in one pass, the scheduler's queue,
-stalls and checkpoint throughput) and `GET /v1/sandboxes/{sid}/rollback/preview`
-(what a rollback to a checkpoint abandons and which effects it does not undo,
-computed as the rollback itself does).
+stalls and checkpoint throughput), `GET /v1/sandboxes/{sid}/tree` (the
+checkpoint tree as compact arrays, with the forks made from it) and
+`GET /v1/sandboxes/{sid}/rollback/preview` (what a rollback to a checkpoint
+abandons and which effects it does not undo, from the rollback's own walk).
+
+Scale (bench/ui.py: 500 sandboxes, 10,000 checkpoints, a 1,000-turn tree):
+the big replies are plain JSON built without FastAPI's encoder, the host
+table is paged, the tree is drawn as a window of the rows in view
+(virtualised), and the time line loads the newest turns and more on demand.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from importlib import resources
 from typing import TYPE_CHECKING, Any
@@ -33,12 +40,13 @@ from fastapi import FastAPI, Query, Request
 from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 
+from ..effects import abandoned_line, seen_not_undone
 from ..errors import NotFound
 
 if TYPE_CHECKING:
     from ..daemon import Daemon
 
-__all__ = ["mount", "host_summary", "preview_rollback", "send_see_login", "LOGIN_PATH", "PUBLIC", "COOKIE"]
+__all__ = ["mount", "host_summary", "sandbox_tree", "preview_rollback", "send_see_login", "LOGIN_PATH", "PUBLIC", "COOKIE"]
 
 LOGIN_PATH = "/ui/login"
 #: What a request without a token may GET: the token form and its own two
@@ -47,6 +55,10 @@ PUBLIC = frozenset({LOGIN_PATH, "/ui/static/login.js", "/ui/static/ui.css"})
 COOKIE = "crabd_token"
 #: Seconds over which the host's checkpoint throughput is summed.
 THROUGHPUT_WINDOW_S = 60.0
+#: Scheduler jobs named in the host summary (queued, and running); the rest are counted.
+JOBS_LISTED = 50
+#: The checkpoint tree's columns (`sandbox_tree`): one array per checkpoint, in this order.
+TREE_FIELDS = ("id", "seq", "parent", "branch", "turn", "plan", "state", "bytes", "pause", "kept", "reasons")
 
 # The page runs only its own files: no inline script, no other origin.
 _HEADERS = {
@@ -68,13 +80,31 @@ async def send_see_login(send: Any) -> None:
 
 
 def _assets() -> dict[str, tuple[bytes, str]]:
-    """The shipped files by name (read once: a request never names a path)."""
+    """The shipped files by name (read once: a request never names a path).
+    The two pages name the code and style they load with a digest of their
+    content (`/ui/static/ui.js?v=DIGEST`, see `asset_version`): the browser
+    may keep those (a reload asks the daemon for the page and its data
+    only), and a changed file is a new URL."""
     out = {}
     for f in resources.files(__name__).joinpath("static").iterdir():
         suffix = "." + f.name.rsplit(".", 1)[-1]
         if f.is_file() and suffix in _TYPES:
             out[f.name] = (f.read_bytes(), _TYPES[suffix])
+    for page in ("index.html", "login.html"):
+        if page not in out:
+            continue
+        body = out[page][0]
+        for name, (data, _) in out.items():
+            if name.endswith((".js", ".css")):
+                body = body.replace(f'"/ui/static/{name}"'.encode(),
+                                    f'"/ui/static/{name}?v={asset_version(data)}"'.encode())
+        out[page] = (body, out[page][1])
     return out
+
+
+def asset_version(data: bytes) -> str:
+    """A shipped file's version in the URLs that name it: its content's digest."""
+    return hashlib.sha256(data).hexdigest()[:16]
 
 
 def host_summary(daemon: Daemon, owner: str | None, jobs: tuple[list[Any], list[Any]],
@@ -104,10 +134,12 @@ def host_summary(daemon: Daemon, owner: str | None, jobs: tuple[list[Any], list[
     mine = {r.id for r in rows}
 
     def listed(js: list[Any]) -> list[dict[str, Any]]:
-        # Another owner's jobs are counted, never named.
+        # Another owner's jobs are counted, never named. A busy host queues
+        # thousands (idle sizing, compaction): the first JOBS_LISTED are named,
+        # the rest counted (`queued_total`, `running_total`).
         return [{"kind": getattr(j.kind, "value", str(j.kind)),
                  "sandbox_id": j.sandbox_id if owner is None or j.sandbox_id in mine else None,
-                 "size_bytes": j.size_bytes} for j in js]
+                 "size_bytes": j.size_bytes} for j in js[:JOBS_LISTED]]
 
     reg = daemon.metrics.registry
     stall_n = reg.get_sample_value("crabd_stall_seconds_count") or 0.0
@@ -116,41 +148,46 @@ def host_summary(daemon: Daemon, owner: str | None, jobs: tuple[list[Any], list[
     no_wait = reg.get_sample_value("crabd_stall_seconds_bucket", {"le": "0.0"}) or 0.0
     return {
         "now": now, "sandboxes": sandboxes,
-        "scheduler": {"queued": listed(jobs[0]), "running": listed(jobs[1]),
-                      "max_concurrency": daemon.scheduler.policy.max_concurrency},
+        "scheduler": {"queued": listed(jobs[0]), "running": listed(jobs[1]), "queued_total": len(jobs[0]),
+                      "running_total": len(jobs[1]), "max_concurrency": daemon.scheduler.policy.max_concurrency},
         "stalls": {"turns": int(stall_n), "stalled": int(stall_n - no_wait), "total_s": round(stall_s, 4)},
         "throughput": {"window_s": THROUGHPUT_WINDOW_S, **recent},
     }
+
+
+def sandbox_tree(daemon: Daemon, sid: str, owner: str | None) -> dict[str, Any]:
+    """The sandbox view's checkpoint tree in one compact reply: every
+    checkpoint (failed ones too), oldest first, as one array of
+    `TREE_FIELDS` each (a 1,000-turn tree is ~100 KB instead of the
+    checkpoint list's ~480 KB of objects), and the sandboxes forked from its
+    checkpoints that the owner may see (id, name, forked_from)."""
+    row = daemon._own(daemon.store.get_sandbox(sid), owner)
+    cks = daemon.list_checkpoints(row.id, owner, all_states=True)
+    rows = [[c["id"], c["seq"], c["parent"], c["branch"], c["turn"], c["plan"], c["state"], c["bytes"],
+             (c.get("durations") or {}).get("pause"), c["kept"], c["reasons"]] for c in cks]
+    ids = {c["id"] for c in cks}
+    forks = [{"id": r.id, "name": r.name, "forked_from": r.forked_from}
+             for r in daemon.store.list_sandboxes(owner) if r.forked_from in ids]
+    return {"sandbox": row.id, "head": row.head, "branch": row.branch, "fields": list(TREE_FIELDS),
+            "checkpoints": rows, "forks": forks}
 
 
 def preview_rollback(daemon: Daemon, sid: str, checkpoint: str, owner: str | None) -> dict[str, Any]:
     """What `POST /v1/sandboxes/{sid}/rollback` to `checkpoint` would
     abandon (the checkpoints from the head back to where the target's line
     meets it) and the effects it would not undo: what the inspector saw
-    leave the sandbox on that stretch, and the ledger's effects, both as
-    the rollback's reply reports them. Changes nothing."""
+    leave the sandbox on that stretch, and the ledger's effects. The stretch
+    is the rollback's own (crabd.effects.abandoned_line, one walk over the
+    sandbox's checkpoints read in one query), so the confirmation lists what
+    the rollback's reply will. Changes nothing."""
     row = daemon._own(daemon.store.get_sandbox(sid), owner)
     ck = daemon.resolve_checkpoint(row.id, checkpoint)
-    keep: set[str] = set()
-    cid: str | None = ck.id
-    while cid and cid not in keep:
-        keep.add(cid)
-        try:
-            cid = daemon.store.get_checkpoint(cid).parent
-        except NotFound:
-            break
-    lost: list[dict[str, Any]] = []
-    cid = row.head
-    while cid and cid not in keep:
-        try:
-            c = daemon.store.get_checkpoint(cid)
-        except NotFound:
-            break
-        lost.append({"id": c.id, "seq": c.seq, "turn": c.turn, "branch": c.branch, "plan": c.plan})
-        cid = c.parent
-    return {"sandbox": row.id, "checkpoint": ck.id, "turn": ck.turn, "head": row.head,
-            "lost": lost, "effects_not_undone": daemon._effects_after(row.head, ck.id),
-            "ledger": daemon._ledger_report(row.id, row, ck)}
+    rows = {c.id: c for c in daemon.store.list_checkpoints(row.id, states=("committed", "pending", "failed"))}
+    line = abandoned_line(row.head, row.branch, ck.id, rows.get)
+    return {"sandbox": row.id, "checkpoint": ck.id, "turn": ck.turn, "head": row.head, "meets": line.meets,
+            "lost": [{"id": c.id, "seq": c.seq, "turn": c.turn, "branch": c.branch, "plan": c.plan} for c in line.lost],
+            "effects_not_undone": seen_not_undone(line.lost),
+            "ledger": daemon._ledger_report(row.id, row, line.path)}
 
 
 def mount(app: FastAPI, daemon: Daemon) -> None:
@@ -158,13 +195,17 @@ def mount(app: FastAPI, daemon: Daemon) -> None:
     endpoints to the API."""
     assets = _assets()
 
-    def asset(name: str) -> Response:
+    def asset(name: str, version: str | None = None) -> Response:
         try:
             body, ctype = assets[name]
         except KeyError:
             raise NotFound(f"no file {name!r} in the operator view",
                            fix="open /ui/; the page loads its own files") from None
-        return Response(body, media_type=ctype, headers=_HEADERS)
+        headers = _HEADERS
+        if version is not None and version == asset_version(body):
+            # This URL always names these bytes: the browser keeps them (its own cache, not a shared one).
+            headers = {**_HEADERS, "Cache-Control": "private, max-age=31536000, immutable"}
+        return Response(body, media_type=ctype, headers=headers)
 
     @app.get("/ui", include_in_schema=False)
     async def ui_root() -> Response:
@@ -179,8 +220,8 @@ def mount(app: FastAPI, daemon: Daemon) -> None:
         return asset("login.html")
 
     @app.get("/ui/static/{name}", include_in_schema=False)
-    async def ui_static(name: str) -> Response:
-        return asset(name)
+    async def ui_static(name: str, v: str | None = Query(None, max_length=64)) -> Response:
+        return asset(name, v)
 
     @app.get("/v1/host")
     async def host_view(request: Request,
@@ -196,6 +237,17 @@ def mount(app: FastAPI, daemon: Daemon) -> None:
         # Plain JSON: FastAPI's encoder walks 500 sandboxes' dicts value by
         # value (hundreds of ms here); these are plain types already.
         return JSONResponse(out)  # type: ignore[return-value]
+
+    @app.get("/v1/sandboxes/{sid}/tree")
+    async def tree_view(request: Request,
+                        sid: str = PathParam(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+                                             description="an id (or a sandbox's name)")) -> dict[str, Any]:
+        """The sandbox's checkpoint tree, compact (the operator view's sandbox page): `checkpoints` oldest first,
+        each an array of the values named by `fields` (id, seq, parent, branch, turn, plan, state, bytes, pause,
+        kept, reasons); `forks`: the sandboxes forked from its checkpoints."""
+        owner = request.scope.get("state", {}).get("crabd_owner")
+        out = await asyncio.to_thread(sandbox_tree, daemon, sid, owner)
+        return JSONResponse(out)  # type: ignore[return-value]  # plain types: no encoder walk (as /v1/host)
 
     @app.get("/v1/sandboxes/{sid}/rollback/preview")
     async def rollback_preview(request: Request,

@@ -7,10 +7,14 @@
 'use strict';
 
 const PAGE = 100;          // rows per page of the host table, time line, diff
-const TREE_PAGE = 200;     // checkpoint tree rows rendered at a time (newest first)
+const DIFF_CHOICES = 50;   // checkpoints offered in the diff's two selects (newest first)
+const TURN_LOAD = 200;     // the sandbox's newest events loaded for the time line; more on demand
+const TREE_VIEW = 24;      // checkpoint tree rows in view: the tree is a scrolled window of its rows
+const TREE_OVERSCAN = 6;   // rows drawn above and below the view (smooth scrolling)
+const TREE_ROW_PX = 30;    // a tree row's height until the first drawn row is measured
 const MAX_LANES = 12;      // branch lanes drawn in the tree's gutter
 const state = { route: null, host: null, sb: null, events: [], lastSeq: 0, hostPage: 0, filter: '',
-                turnPage: 0, treeRows: TREE_PAGE, diff: null, diffPage: 0 };
+                turnPage: 0, tree: null, treeTop: 0, rowPx: TREE_ROW_PX, diff: null, diffPage: 0 };
 
 // ---- helpers ------------------------------------------------------------------------------
 function el(tag, attrs, ...kids) {
@@ -97,12 +101,15 @@ function route() {
   const crumbs = document.getElementById('crumbs');
   crumbs.replaceChildren(link('#/', 'host'), m ? ' / ' : '', m ? el('span', {}, state.route.id) : '');
   if (state.route.view === 'host') { state.hostPage = 0; return showHost(); }
-  state.turnPage = 0; state.treeRows = TREE_PAGE; state.diff = null;
+  state.turnPage = 0; state.treeTop = 0; state.diff = null;
   return showSandbox(state.route.id);
 }
 
 // ---- host view ----------------------------------------------------------------------------
 async function showHost() {
+  // A refresh the event stream queued on the host view may fire after the
+  // operator went on to a sandbox: it must not draw over that view.
+  if (state.route.view !== 'host') return;
   const main = document.getElementById('main');
   if (!document.getElementById('host-table')) {
     main.replaceChildren(el('div', { id: 'host-stats', class: 'card' }, 'loading…'),
@@ -130,8 +137,8 @@ function renderHostStats() {
     stat('checkpoints', s.reduce((a, x) => a + x.checkpoints, 0)),
     stat('bytes', bytes(s.reduce((a, x) => a + x.bytes, 0))),
     stat('standbys ready', s.filter((x) => x.standby).length),
-    stat('jobs queued', h.scheduler.queued.length),
-    stat('jobs running', `${h.scheduler.running.length} / ${h.scheduler.max_concurrency}`),
+    stat('jobs queued', h.scheduler.queued_total ?? h.scheduler.queued.length),
+    stat('jobs running', `${h.scheduler.running_total ?? h.scheduler.running.length} / ${h.scheduler.max_concurrency}`),
     stat('turns stalled', `${h.stalls.stalled} / ${h.stalls.turns}`),
     stat('stall total', ms(h.stalls.total_s)),
     stat(`checkpoints last ${h.throughput.window_s} s`, `${h.throughput.checkpoints} (${bytes(h.throughput.bytes)})`)));
@@ -166,18 +173,34 @@ function renderEvents() {
 // ---- sandbox view -------------------------------------------------------------------------
 async function loadSandbox(id) {
   const enc = encodeURIComponent(id);
-  // All at once. The time line is the sandbox's newest events' turn.ended
-  // (one page: the API's largest); its forks come from the host summary.
-  const [info, cks, budget, effects, host, evs] = await Promise.all([
-    api('GET', `/v1/sandboxes/${enc}`), api('GET', `/v1/sandboxes/${enc}/checkpoints?all=true`),
+  // All at once. The tree comes compact (arrays, GET /v1/sandboxes/{id}/tree,
+  // with the forks made from it); the time line is the turn.ended events
+  // among the sandbox's newest TURN_LOAD events, older ones on demand.
+  const [info, tree, budget, effects, evs] = await Promise.all([
+    api('GET', `/v1/sandboxes/${enc}`), api('GET', `/v1/sandboxes/${enc}/tree`),
     api('GET', `/v1/sandboxes/${enc}/budget`), api('GET', `/v1/sandboxes/${enc}/effects?lineage=true`),
-    api('GET', `/v1/host?forks_of=${enc}`), api('GET', `/v1/events?follow=false&sandbox=${enc}&latest=1000`)]);
+    api('GET', `/v1/events?follow=false&sandbox=${enc}&latest=${TURN_LOAD}`)]);
   performance.mark('crabd:sandbox-data');
-  const turns = evs.events.filter((e) => e.kind === 'turn.ended');
-  const ids = new Set(cks.checkpoints.map((c) => c.id));
-  const forks = host.sandboxes.filter((s) => s.forked_from && ids.has(s.forked_from));
-  return { id, info, checkpoints: cks.checkpoints, budget, effects: effects.effects, turns, forks,
-           olderEvents: evs.events.length > 0 && evs.events[0].seq > 1 && evs.events.length >= evs.limit };
+  const f = tree.fields;
+  const checkpoints = tree.checkpoints.map((r) => {
+    const c = {};
+    for (let i = 0; i < f.length; i++) c[f[i]] = r[i];
+    c.durations = { pause: c.pause };
+    return c;
+  });
+  return { id, info, checkpoints, budget, effects: effects.effects, forks: tree.forks,
+           turns: evs.events.filter((e) => e.kind === 'turn.ended'),
+           olderBefore: evs.more && evs.events.length ? evs.events[0].seq : null };
+}
+async function loadOlderTurns() {
+  const sb = state.sb;
+  if (!sb || !sb.olderBefore) return;
+  const p = await api('GET', `/v1/events?follow=false&sandbox=${encodeURIComponent(sb.id)}&order=desc` +
+                             `&before=${sb.olderBefore}&limit=${TURN_LOAD}`);
+  const older = p.events.filter((e) => e.kind === 'turn.ended').reverse();   // newest first -> oldest first
+  sb.turns = older.concat(sb.turns);
+  sb.olderBefore = p.more && p.events.length ? p.events[p.events.length - 1].seq : null;
+  renderTurns();
 }
 async function showSandbox(id) {
   const main = document.getElementById('main');
@@ -206,6 +229,8 @@ function renderSbHead() {
 
 // The tree: one row per checkpoint, newest first; one lane per branch (a
 // rollback starts a branch); a branch's first row says where it split off.
+// Only the rows in view (and TREE_OVERSCAN around them) are in the DOM: a
+// thousand-turn tree costs what two dozen rows do, at load and per scroll.
 function renderTree() {
   const cks = state.sb.checkpoints, head = state.sb.info.head;
   const byId = new Map(cks.map((c) => [c.id, c]));
@@ -220,38 +245,68 @@ function renderTree() {
   for (const [b, l] of lanes) if (l < nl) laneSpan[l] = span.get(b);
   const onHead = new Set();
   for (let id = head; id && byId.has(id) && !onHead.has(id); id = byId.get(id).parent) onHead.add(id);
-  const ordered = cks.slice().reverse();
-  const shown = ordered.slice(0, state.treeRows);
   const forksAt = new Map();
   for (const f of state.sb.forks) forksAt.set(f.forked_from, (forksAt.get(f.forked_from) || []).concat([f]));
-  const rows = shown.map((c) => {
-    const lane = lanes.get(c.branch);
-    let g = '';
-    for (let l = 0; l < nl; l++) {
-      const s = laneSpan[l];
-      g += l === lane ? '●' : (s[0] <= c.seq && c.seq <= s[1] ? '│' : ' ');
-    }
-    if (lane >= MAX_LANES) g += ` [${c.branch}]`;
-    const p = c.parent && byId.get(c.parent);
-    const split = p && p.branch !== c.branch ? `↰ branch ${c.branch} from #${p.seq}` : '';
-    const fk = (forksAt.get(c.id) || []).map((f) => [' ', link('#/sb/' + encodeURIComponent(f.id), 'fork → ' + f.name)]);
-    const done = c.state === 'committed';
-    return el('tr', { class: (c.id === head ? 'head ' : '') + (onHead.has(c.id) ? '' : 'gone'), 'data-checkpoint': c.id },
-      el('td', { class: 'gutter' }, g), el('td', {}, '#' + c.seq), el('td', {}, c.id === head ? (state.sb.info.branch !== c.branch ? `★ head → b${state.sb.info.branch}` : '★ head') : ''),
-      el('td', {}, 'turn ' + c.turn), el('td', {}, 'b' + c.branch), el('td', {}, plan(c.plan)),
-      el('td', {}, c.state === 'committed' ? bytes(c.bytes) : c.state),
-      el('td', {}, ms(c.durations && c.durations.pause)), el('td', { class: 'kept' }, (c.kept || []).join(', ')),
-      el('td', {}, split, ' ', fk),
-      el('td', {}, el('button', { disabled: !done || c.id === head, onclick: () => confirmRollback(c) }, 'rollback'), ' ',
-        el('button', { disabled: !done, onclick: () => confirmFork(c) }, 'fork…'), ' ',
-        el('button', { onclick: () => { pickDiff(c); } }, 'diff')));
-  });
+  // `drawn`: rows built so far, by checkpoint, reused while scrolling (until the data changes).
+  state.tree = { ordered: cks.slice().reverse(), byId, lanes, nl, laneSpan, onHead, forksAt, head, drawn: new Map() };
+  const box = el('div', { id: 'tree-box', class: 'tree-box', onscroll: () => {
+    if (state.treeFrame) return;
+    state.treeFrame = requestAnimationFrame(() => { state.treeFrame = 0; renderTreeWindow(); });
+  } }, el('table', { class: 'tree' }, el('tbody', { id: 'tree-rows' })));
   replace('sb-tree', el('div', { class: 'card' },
     el('h2', {}, `Checkpoint tree (${cks.length} checkpoints, ${lanes.size} branches, ${state.sb.forks.length} forks)`),
-    el('table', { class: 'tree' }, el('tbody', {}, rows)),
-    ordered.length > shown.length
-      ? el('button', { onclick: () => { state.treeRows += TREE_PAGE; renderTree(); } },
-        `show ${Math.min(TREE_PAGE, ordered.length - shown.length)} older (${ordered.length - shown.length} hidden)`) : ''));
+    box));
+  renderTreeWindow(state.treeTop);
+  // Layout is read only in the next frame (the browser lays out for it
+  // anyway): reading it here would force a layout of the whole page.
+  requestAnimationFrame(() => {
+    if (state.treeTop) box.scrollTop = state.treeTop;
+    const row = box.querySelector('tr[data-checkpoint]');
+    if (row && row.offsetHeight && Math.abs(row.offsetHeight - state.rowPx) > 1) {
+      state.rowPx = row.offsetHeight; renderTreeWindow(state.treeTop);
+    }
+  });
+}
+function treeRow(c) {
+  const t = state.tree, head = t.head;
+  const lane = t.lanes.get(c.branch);
+  let g = '';
+  for (let l = 0; l < t.nl; l++) {
+    const s = t.laneSpan[l];
+    g += l === lane ? '●' : (s[0] <= c.seq && c.seq <= s[1] ? '│' : ' ');
+  }
+  if (lane >= MAX_LANES) g += ` [${c.branch}]`;
+  const p = c.parent && t.byId.get(c.parent);
+  const split = p && p.branch !== c.branch ? `↰ branch ${c.branch} from #${p.seq}` : '';
+  const fk = (t.forksAt.get(c.id) || []).map((f) => [' ', link('#/sb/' + encodeURIComponent(f.id), 'fork → ' + f.name)]);
+  const done = c.state === 'committed';
+  return el('tr', { class: (c.id === head ? 'head ' : '') + (t.onHead.has(c.id) ? '' : 'gone'), 'data-checkpoint': c.id },
+    el('td', { class: 'gutter' }, g), el('td', {}, '#' + c.seq), el('td', {}, c.id === head ? (state.sb.info.branch !== c.branch ? `★ head → b${state.sb.info.branch}` : '★ head') : ''),
+    el('td', {}, 'turn ' + c.turn), el('td', {}, 'b' + c.branch), el('td', {}, plan(c.plan)),
+    el('td', {}, c.state === 'committed' ? bytes(c.bytes) : c.state),
+    el('td', {}, ms(c.durations && c.durations.pause)), el('td', { class: 'kept' }, (c.kept || []).join(', ')),
+    el('td', {}, split, ' ', fk),
+    el('td', {}, el('button', { disabled: !done || c.id === head, onclick: () => confirmRollback(c) }, 'rollback'), ' ',
+      el('button', { disabled: !done, onclick: () => confirmFork(c) }, 'fork…'), ' ',
+      el('button', { onclick: () => { pickDiff(c); } }, 'diff')));
+}
+// `at`: the scroll offset to draw for (default: the box's own, on a scroll).
+function renderTreeWindow(at) {
+  const box = document.getElementById('tree-box'), body = document.getElementById('tree-rows');
+  if (!box || !body || !state.tree) return;
+  const all = state.tree.ordered, px = state.rowPx;
+  state.treeTop = at === undefined ? box.scrollTop : at;
+  const first = Math.max(0, Math.floor(state.treeTop / px) - TREE_OVERSCAN);
+  const last = Math.min(all.length, Math.floor(state.treeTop / px) + TREE_VIEW + TREE_OVERSCAN);
+  const pad = (n) => (n > 0 ? [el('tr', { class: 'pad', 'aria-hidden': 'true' }, el('td', {}))] : []);
+  const top = pad(first), bottom = pad(all.length - last);
+  const drawn = state.tree.drawn;
+  const rows = all.slice(first, last).map((c) => drawn.get(c.id) || drawn.set(c.id, treeRow(c)).get(c.id));
+  body.replaceChildren(...top, ...rows, ...bottom);
+  // Spacers stand for the rows not drawn, so the scroll bar is the whole tree's.
+  if (top.length) top[0].firstChild.style.height = (first * px) + 'px';
+  if (bottom.length) bottom[0].firstChild.style.height = ((all.length - last) * px) + 'px';
+  box.style.maxHeight = (TREE_VIEW * px) + 'px';
 }
 function renderTurns() {
   const byCk = new Map(state.sb.checkpoints.map((c) => [c.id, c]));
@@ -267,22 +322,36 @@ function renderTurns() {
       el('td', {}, plan(c ? c.plan : null)), el('td', { class: 'wrap muted' }, c ? c.reasons.join('; ') : 'retired'),
       el('td', {}, c ? bytes(c.bytes) : '–'), el('td', {}, ms(c && c.durations ? c.durations.pause : null)));
   });
-  replace('sb-turns', el('div', { class: 'card' }, el('h2', {}, `Turns (${turns.length})`),
-    state.sb.olderEvents ? el('p', { class: 'muted' }, 'older turns: crabd events --sandbox ' + state.sb.id) : '',
+  replace('sb-turns', el('div', { class: 'card' }, el('h2', {}, `Turns (${turns.length}${state.sb.olderBefore ? ' newest' : ''})`),
     pager(state.turnPage, turns.length, PAGE, (p) => { state.turnPage = p; renderTurns(); }),
+    state.sb.olderBefore ? el('button', { id: 'older-turns', onclick: (ev) => { ev.target.disabled = true;
+      loadOlderTurns().catch((e) => replace('sb-turns', el('div', { class: 'card' }, errorBox(e)))); } }, 'load older turns') : '',
     el('table', {}, el('thead', {}, el('tr', {}, ['ended', 'turn', 'branch', 'command', 'exit', 'duration', 'stall',
       'plan', 'reasons', 'bytes', 'pause'].map((c) => el('th', {}, c)))), el('tbody', {}, rows))));
 }
+function diffOption(c, selected) {
+  return el('option', { value: c.id, selected }, `#${c.seq} turn ${c.turn} b${c.branch}`);
+}
 function pickDiff(c) {
   const to = document.getElementById('diff-to'), from = document.getElementById('diff-from');
-  if (to && from) { from.value = to.value; to.value = c.id; }
+  if (!to || !from) return;
+  for (const sel of [to, from]) if (![...sel.options].some((o) => o.value === c.id)) sel.append(diffOption(c, false));
+  from.value = to.value; to.value = c.id;
 }
+// The selects offer the newest DIFF_CHOICES checkpoints (a select of a
+// thousand options costs the page a long layout); the tree's "diff" button
+// adds any other.
 function renderDiff() {
   const cks = state.sb.checkpoints.filter((c) => c.state === 'committed');
-  const opts = (sel) => cks.slice().reverse().map((c) => el('option', { value: c.id, selected: c.id === sel },
-    `#${c.seq} turn ${c.turn} b${c.branch}`));
   const head = state.sb.info.head, hc = cks.find((c) => c.id === head);
   const from = hc && hc.parent ? hc.parent : (cks[0] && cks[0].id);
+  const newest = cks.slice(-DIFF_CHOICES).reverse();
+  const opts = (sel) => {
+    const out = newest.map((c) => diffOption(c, c.id === sel));
+    const picked = cks.find((c) => c.id === sel);
+    if (picked && !newest.includes(picked)) out.push(diffOption(picked, true));
+    return out;
+  };
   replace('sb-diff', el('div', { class: 'card' }, el('h2', {}, 'Diff between two checkpoints'),
     el('div', { class: 'toolbar' }, 'from', el('select', { id: 'diff-from' }, opts(from)), 'to',
       el('select', { id: 'diff-to' }, opts(head)), el('button', { onclick: runDiff }, 'show')),

@@ -152,6 +152,9 @@ def test_tree_after_rollback_and_fork_then_rollback_through_the_page(live, forwa
     # The head's line is #0-#1-#4; #2 meets it at #1: only #4 is left behind.
     assert "Left behind on the current line: 1 checkpoint(s)" in dialog and "#4 (turn 4" in dialog, dialog
     assert "NOT undone" in dialog
+    # What the inspector saw leave the sandbox: turn 4 only; turn 1 is #2's own past.
+    seen = page.inner_text("#seen-not-undone")
+    assert f"turn 4 ({sid}-4)" in seen and "turn 1 (" not in seen, seen
     page.screenshot(path=str(SHOTS / "rollback-confirm.png"))
     page.click("#dialog #confirm")
     wait_for(lambda: api.ok("GET", f"/v1/sandboxes/{sid}")["branch"] == 2, what="the page's rollback")
@@ -159,6 +162,41 @@ def test_tree_after_rollback_and_fork_then_rollback_through_the_page(live, forwa
     # The new branch has no checkpoint yet: the head row says where it goes on.
     assert "★ head → b2" in page.inner_text(f"#sb-tree tr[data-checkpoint='{sid}-2']")
     not_injected(page)
+
+
+def test_preview_of_a_cross_branch_rollback_lists_only_what_it_leaves_behind(live) -> None:
+    """A rollback to a checkpoint on another branch does not undo what was
+    made after the two lines split on the head's side; what was made on the
+    target's own line (its ancestors) is in the target's past, not "not undone".
+    The preview says what the rollback's reply then says."""
+    d, base = live
+    api = admin(base)
+    sid = api.ok("POST", "/v1/sandboxes", json={"image": "busybox", "name": "ui-preview"})["id"]
+    api.ok("POST", f"/v1/sandboxes/{sid}/exec", json={"cmd": "echo 1 > /root/f1"})      # turn 1 -> #1
+    ancestor = api.ok("POST", f"/v1/sandboxes/{sid}/effects/intent", json={"op": "mail.send", "key": "before",
+                                                                                   "args": {"to": "a"}})
+    api.ok("POST", f"/v1/effects/{ancestor['effect']['id']}/commit", json={})           # made from #1, branch 0
+    for i in (2, 3):
+        api.ok("POST", f"/v1/sandboxes/{sid}/exec", json={"cmd": f"echo {i} > /root/f{i}"})
+    settled(api, sid)
+    api.ok("POST", f"/v1/sandboxes/{sid}/rollback", json={"checkpoint": 1})               # branch 1 from #1
+    after = api.ok("POST", f"/v1/sandboxes/{sid}/effects/intent", json={"op": "mail.send", "key": "after",
+                                                                                "args": {"to": "b"}})
+    api.ok("POST", f"/v1/effects/{after['effect']['id']}/commit", json={})              # made from #1, branch 1
+    api.ok("POST", f"/v1/sandboxes/{sid}/exec", json={"cmd": "echo b1 > /root/g"})      # turn 4 -> #4
+    settled(api, sid)
+
+    pv = api.ok("GET", f"/v1/sandboxes/{sid}/rollback/preview", params={"checkpoint": f"{sid}-3"})
+    assert [c["id"] for c in pv["lost"]] == [f"{sid}-4"]
+    # The /proc inspector cannot see connections: every turn "may have reached
+    # the outside". Of those only turn 4 is off the target's line; turn 1 is
+    # one of #3's ancestors.
+    assert [(e["checkpoint"], e["turn"]) for e in pv["effects_not_undone"]] == [(f"{sid}-4", 4)], pv
+    assert [e["id"] for e in pv["ledger"]["committed_after"]] == [after["effect"]["id"]], pv["ledger"]
+    assert pv["meets"] == f"{sid}-1"   # where the head's line joins #3's
+    r = api.ok("POST", f"/v1/sandboxes/{sid}/rollback", json={"checkpoint": f"{sid}-3"})
+    assert r["effects_not_undone"] == pv["effects_not_undone"] and r["ledger"] == pv["ledger"]
+    api.ok("DELETE", f"/v1/sandboxes/{sid}")
 
 
 def test_live_death_and_recovery_appear_without_reload(live, forwarder, page) -> None:

@@ -145,3 +145,15 @@ def test_links_lead_from_creates_to_the_operations_that_take_their_ids(app: Any)
     assert set(intent) == {"effect_commit", "effect_fail", "effect_unknown", "reconcile", "get_effect"}
     for producer in (created, ck, intent):
         assert all(link["operationId"] in ops for link in producer.values())
+
+
+def test_cpu_quota_under_the_kernels_minimum_is_refused_as_invalid() -> None:
+    """cpus=0.002 (a 200 us quota) passed validation and failed in runc's
+    cgroup write: a 500 that test_api_fuzz's stateful run found. The smallest
+    quota the kernel takes is 1 ms of the 100 ms period: cpus 0.01."""
+    import pydantic
+
+    from crabd.api import LimitsIn
+    with pytest.raises(pydantic.ValidationError):
+        LimitsIn(cpus=0.002)
+    assert LimitsIn(cpus=0.01).cpus == 0.01

@@ -105,6 +105,25 @@ def test_effects_after_keeps_only_the_abandoned_stretch():
     assert [e["id"] for e in effects_after([("s-3", 1), ("s-1", 1)], effs)] == ["c", "d"]
 
 
+def test_abandoned_line_stops_where_a_cross_branch_target_meets_the_head():
+    from types import SimpleNamespace as C
+
+    from crabd.effects import abandoned_line, seen_not_undone
+    # s-0 - s-1 - s-2 - s-3 (branch 0); rolled back to s-1: s-1 - s-4 (branch 1), head s-4.
+    out = {"external": False, "external_unknown": True}
+    rows = {f"s-{i}": C(id=f"s-{i}", parent=p, branch=b, turn=i, effects=out)
+            for i, p, b in ((0, None, 0), (1, "s-0", 0), (2, "s-1", 0), (3, "s-2", 0), (4, "s-1", 1))}
+    line = abandoned_line("s-4", 1, "s-3", rows.get)
+    assert (line.path, [c.id for c in line.lost], line.meets) == ([("s-4", 1), ("s-1", 1)], ["s-4"], "s-1")
+    # Turn 1 (s-1) is the target's own past: not reported; before, the walk ran to the root.
+    assert [e["checkpoint"] for e in seen_not_undone(line.lost)] == ["s-4"]
+    same = abandoned_line("s-3", 0, "s-1", rows.get)   # the head's own line: back to the target
+    assert (same.path, same.meets) == ([("s-3", 0), ("s-2", 0), ("s-1", 0)], "s-1")
+    assert [e["turn"] for e in seen_not_undone(same.lost)] == [2, 3]
+    gone = abandoned_line("s-9", 2, "s-3", rows.get)   # a head whose row is gone: nothing walked past it
+    assert (gone.path, gone.lost, gone.meets) == ([("s-9", 2)], [], None)
+
+
 def test_budget_problem():
     b = {"limits": {"turns": 2, "wall_s": None, "cost": 10}, "used": {"turns": 1, "wall_s": 9e9, "cost": 3}}
     assert budget_problem(b) is None
@@ -418,11 +437,12 @@ def test_wall_time_lands_with_the_next_budget_write(ledger):
 
 
 def test_rollback_report_walks_the_abandoned_line(tmp_path):
-    """Daemon._ledger_report on a checkpoint tree: s-0 -> s-1 -> s-2 (branch 0),
+    """Daemon._ledger_report on a checkpoint tree (the stretch from crabd.effects.abandoned_line): s-0 -> s-1 -> s-2 (branch 0),
     rolled back to s-1, then s-3 (branch 1); the head s-3 is rolled back to s-2,
     on the other line: only what was made on the stretch s-1 (branch 1) -> s-3 is
     reported, not what s-2's own history holds."""
     from crabd.daemon import Daemon
+    from crabd.effects import abandoned_line
     from crabd.store import CheckpointRow
 
     st = Store(tmp_path)
@@ -439,8 +459,12 @@ def test_rollback_report_walks_the_abandoned_line(tmp_path):
         e = d.ledger.intent(sb, "op", key=name, args={"n": name})["effect"]
         d.ledger.finish(e["id"], "committed")
         made[e["id"]] = name
-    rep = d._ledger_report("s", st.get_sandbox("s"), st.get_checkpoint("s-2"))
+    row = st.get_sandbox("s")
+
+    def report(target: str) -> dict:
+        return d._ledger_report("s", row, abandoned_line(row.head, row.branch, target, d._checkpoint_or_none).path)
+    rep = report("s-2")
     assert sorted(made[e["id"]] for e in rep["committed_after"]) == ["after_rollback", "after_s3"]
-    rep = d._ledger_report("s", st.get_sandbox("s"), st.get_checkpoint("s-0"))
+    rep = report("s-0")
     assert sorted(made[e["id"]] for e in rep["committed_after"]) == ["after_rollback", "after_s3"]  # s-1 b0 line was left before
     st.close()

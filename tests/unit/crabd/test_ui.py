@@ -133,3 +133,65 @@ def test_checkpoint_totals_one_pass(tmp_path: Any) -> None:
     assert per["sb-b"] == {"checkpoints": 1, "bytes": 100, "last_plan": "FS"}
     assert recent == {"checkpoints": 3, "bytes": 4196}
     st.close()
+
+
+def test_pages_name_their_files_by_version_and_only_those_urls_are_kept() -> None:
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from crabd.ui import asset_version, mount
+    files = _assets()
+    app = FastAPI()
+    mount(app, None)  # type: ignore[arg-type]  # the files need no daemon
+    c = TestClient(app)
+    for page, code in (("index.html", "ui.js"), ("login.html", "login.js")):
+        html = files[page][0].decode()
+        for name in (code, "ui.css"):
+            v = asset_version(files[name][0])
+            assert f'"/ui/static/{name}?v={v}"' in html, (page, name)
+            r = c.get(f"/ui/static/{name}?v={v}")
+            assert r.status_code == 200 and "immutable" in r.headers["cache-control"], name
+            # Another version (an old page's URL) or none: served, never kept.
+            assert c.get(f"/ui/static/{name}?v=0000").headers["cache-control"] == "no-store"
+            assert c.get(f"/ui/static/{name}").headers["cache-control"] == "no-store"
+    assert c.get("/ui/").headers["cache-control"] == "no-store"   # the page itself: always asked for
+
+
+def test_host_summary_names_fifty_jobs_and_counts_all(tmp_path: Any) -> None:
+    from types import SimpleNamespace as NS
+
+    from prometheus_client import CollectorRegistry
+
+    from crabd.ui import JOBS_LISTED, host_summary
+    st = Store(tmp_path)
+    st.add_sandbox(SandboxRow(id="sb-a", name="a", image="busybox", fs_key="k", lineage="sb-a", owner="alice"))
+    daemon = NS(store=st, standbys={}, metrics=NS(registry=CollectorRegistry()),
+                scheduler=NS(policy=NS(max_concurrency=2)))
+    job = NS(kind="sizing", sandbox_id="sb-other", size_bytes=0)   # another owner's: counted, not named
+    out = host_summary(daemon, "alice", ([job] * 5000, [job] * 2))  # type: ignore[arg-type]
+    sch = out["scheduler"]
+    assert (len(sch["queued"]), sch["queued_total"], len(sch["running"]), sch["running_total"]) == \
+        (JOBS_LISTED, 5000, 2, 2)
+    assert all(j["sandbox_id"] is None for j in sch["queued"])
+    assert [s["id"] for s in out["sandboxes"]] == ["sb-a"]
+    st.close()
+
+
+def test_sandbox_tree_is_one_array_per_checkpoint_with_its_forks(tmp_path: Any) -> None:
+    from types import SimpleNamespace as NS
+
+    from crabd.ui import TREE_FIELDS, sandbox_tree
+    st = Store(tmp_path)
+    st.add_sandbox(SandboxRow(id="sb-a", name="a", image="busybox", fs_key="k", lineage="sb-a", head="sb-a-1"))
+    st.add_sandbox(SandboxRow(id="sb-f", name="f", image="busybox", fs_key="k2", lineage="sb-a", forked_from="sb-a-0"))
+    cks = [{"id": f"sb-a-{i}", "seq": i, "parent": f"sb-a-{i - 1}" if i else None, "branch": 0, "turn": i,
+            "plan": "FS", "state": "committed", "bytes": 10 * i, "durations": {"pause": 0.01}, "kept": ["head"],
+            "reasons": ["r"]} for i in range(2)]
+    daemon = NS(store=st, _own=lambda row, owner: row, list_checkpoints=lambda sid, owner, all_states: cks)
+    out = sandbox_tree(daemon, "sb-a", None)  # type: ignore[arg-type]
+    rows = [dict(zip(out["fields"], r)) for r in out["checkpoints"]]
+    assert out["fields"] == list(TREE_FIELDS) and [r["id"] for r in rows] == ["sb-a-0", "sb-a-1"]
+    assert rows[1] == {"id": "sb-a-1", "seq": 1, "parent": "sb-a-0", "branch": 0, "turn": 1, "plan": "FS",
+                       "state": "committed", "bytes": 10, "pause": 0.01, "kept": ["head"], "reasons": ["r"]}
+    assert out["forks"] == [{"id": "sb-f", "name": "f", "forked_from": "sb-a-0"}]
+    st.close()
