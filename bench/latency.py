@@ -41,9 +41,10 @@ so a slow phase of the host shows in all of them alike:
   every 10 ms) and to the last `sandbox.adopted` event (`adopted`).
 
 Each figure is {"p50", "p99", "n"}, nearest rank (bench/_stats.py), ms.
-The daemon inherits the environment: CRABD_EXEC_CHANNEL=1 measures the fast
-exec path through the sandbox's init (crabd/runtime/channel.py), CRABD_INIT
-a crabd-init of one's own; both are recorded in "config".
+The daemon inherits the environment: CRABD_EXEC_CHANNEL=0 measures `runc
+exec` instead of the fast exec path through the sandbox's init (the default,
+crabd/runtime/channel.py), CRABD_INIT a crabd-init of one's own; both are
+recorded in "config".
 `--quick`: 4 rounds of 5 execs each, 2 restarts (< 5 minutes here).
 Needs root, runc, CRIU, and a Docker engine for the docker peer (started
 here with `dockerd --iptables=false --bridge=none` when none answers, and
@@ -392,7 +393,7 @@ class Bench:
                        "host": platform.node(), "kernel": platform.release(), "cpus": os.cpu_count(),
                        "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
                        "crabd_init": os.environ.get("CRABD_INIT", "default"),
-                       "exec_channel": os.environ.get("CRABD_EXEC_CHANNEL", "0")},
+                       "exec_channel": os.environ.get("CRABD_EXEC_CHANNEL", "default (on)")},
         }
 
     @property

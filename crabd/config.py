@@ -31,6 +31,8 @@ def runc_binary() -> str:
 
 
 def exec_channel() -> bool:
-    """New sandboxes get the fast exec path (crabd/runtime/channel.py): off
-    unless CRABD_EXEC_CHANNEL=1; `runc exec` stays the fallback either way."""
-    return os.environ.get("CRABD_EXEC_CHANNEL", "0").strip().lower() in ("1", "true", "yes", "on")
+    """New sandboxes get the fast exec path (crabd/runtime/channel.py): on
+    unless CRABD_EXEC_CHANNEL=0 (it passed the exec tests of the runtime, the
+    daemon and the inspector; bench/results/latency/2026-12-02-channel-default);
+    `runc exec` stays the fallback either way."""
+    return os.environ.get("CRABD_EXEC_CHANNEL", "1").strip().lower() not in ("0", "false", "no", "off")

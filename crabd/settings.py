@@ -17,8 +17,8 @@ clients' CRABD_SOCKET (and crabd-docker's CRABD_DOCKER_SOCKET and
 CRABD_DOCKER_CLI), and test or benchmark hooks that must never be set in
 a config file by mistake (CRABD_CHAOS*, CRABD_OVERLAY_MAX_DEPTH,
 CRABD_ORACLE, CRABD_PYTHON, CRABD_VERBOSE, CRABD_BENCH_CACHE), and the
-experimental fast exec path (CRABD_EXEC_CHANNEL, read by crabd.config: off
-until it has passed the whole suite; it becomes a setting then).
+fast exec path's switch (CRABD_EXEC_CHANNEL, read by crabd.config: on by
+default, `0` turns it off for new sandboxes).
 
 Startup fails fast on a bad file (STYLE.md): an unknown key is an error that
 names the key (a typo such as `keep_lst` must not silently keep the default),

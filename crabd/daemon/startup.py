@@ -72,38 +72,48 @@ class Startup(DaemonBase):
         for eid, sid in await asyncio.to_thread(self.ledger.mark_in_flight_unknown):
             self.events.emit(EventKind.EFFECT_UNKNOWN, sid, effect=eid,
                              reason="crabd restarted while it was in flight")
-        for row in self.store.list_sandboxes():
+        rows = self.store.list_sandboxes()
+        for row in rows:
             self.turns[row.id] = Turns()
-            try:
-                sb = await asyncio.to_thread(self.runtime.get, row.id)
-            except NotFound:
-                self.events.emit(EventKind.SANDBOX_LOST, row.id, reason="its runtime state is gone")
-                self.store.update_sandbox(row.id, state="dead")
-                continue
-            # Frozen by a checkpoint whose daemon was killed mid-commit (the
-            # freezer file is written directly: runc may still say running):
-            # crabd never leaves a sandbox frozen on purpose.
-            fr = Freezer(self.runtime.layout, sb.cgroup_rel)
-            try:
-                frozen = sb.status in ("running", "paused") and fr.state() != "THAWED"
-            except OSError:
-                frozen = False
-            if frozen:
-                await asyncio.to_thread(fr.thaw)
-                sb = await asyncio.to_thread(self.runtime.get, row.id)
-                self.events.emit(EventKind.SANDBOX_THAWED, row.id, reason="found frozen at daemon start")
-            if sb.status == "running":
-                await asyncio.to_thread(self._watch, row.id)
-                self.turns[row.id].blind = BLIND_RESTART
-                self.store.update_sandbox(row.id, state="running")
-                self.events.emit(EventKind.SANDBOX_ADOPTED, row.id)
-            else:
-                self.store.update_sandbox(row.id, state="dead")
-                self.events.emit(EventKind.SANDBOX_DIED, row.id, reason=f"found {sb.status} at daemon start")
-                if self.options.auto_rollback:
-                    await self._auto_recover(row.id)
+        # One after another, each sandbox cost a `runc state` spawn and its
+        # watch (and a dead one its whole recovery) before the next: in
+        # parallel, a restart serves and re-adopts in the time of the slowest.
+        await asyncio.gather(*(self._adopt(row.id) for row in rows))
         self._resize_unsized()
         self.metrics.sandboxes.set(len(self.turns))
+
+    async def _adopt(self, sid: str) -> None:
+        """A sandbox of the store after a (re)start: watched again if it
+        runs (thawed first if a crash left it frozen), else recovered per
+        policy."""
+        try:
+            sb = await asyncio.to_thread(self.runtime.get, sid)
+        except NotFound:
+            self.events.emit(EventKind.SANDBOX_LOST, sid, reason="its runtime state is gone")
+            self.store.update_sandbox(sid, state="dead")
+            return
+        # Frozen by a checkpoint whose daemon was killed mid-commit (the
+        # freezer file is written directly: runc may still say running):
+        # crabd never leaves a sandbox frozen on purpose.
+        fr = Freezer(self.runtime.layout, sb.cgroup_rel)
+        try:
+            frozen = sb.status in ("running", "paused") and fr.state() != "THAWED"
+        except OSError:
+            frozen = False
+        if frozen:
+            await asyncio.to_thread(fr.thaw)
+            sb = await asyncio.to_thread(self.runtime.get, sid)
+            self.events.emit(EventKind.SANDBOX_THAWED, sid, reason="found frozen at daemon start")
+        if sb.status == "running":
+            await asyncio.to_thread(self._watch, sid, sb)  # `sb`: no second `runc state` spawn
+            self.turns[sid].blind = BLIND_RESTART
+            self.store.update_sandbox(sid, state="running")
+            self.events.emit(EventKind.SANDBOX_ADOPTED, sid)
+        else:
+            self.store.update_sandbox(sid, state="dead")
+            self.events.emit(EventKind.SANDBOX_DIED, sid, reason=f"found {sb.status} at daemon start")
+            if self.options.auto_rollback:
+                await self._auto_recover(sid)
 
     async def close(self) -> None:
         for t in self.turns.values():

@@ -2,8 +2,8 @@
 command, asked over a unix socket, instead of a `runc exec` per command.
 
 `Runtime.exec` tries this path first; it exists for sandboxes created
-with the channel on (`CRABD_EXEC_CHANNEL=1`: their init runs as `crabd-init
---channel crabd-exec`, see init.c mode 3). It falls back to `runc exec`
+with the channel on (the default; `CRABD_EXEC_CHANNEL=0` turns it off: their
+init runs as `crabd-init --channel crabd-exec`, see init.c mode 3). It falls back to `runc exec`
 whenever the channel cannot be used *before anything was started*
 (`Unavailable`): an init without the channel, nobody listening, a listener
 that is not the sandbox's init, a refused request. Once the init has the

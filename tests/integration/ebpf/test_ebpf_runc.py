@@ -26,10 +26,14 @@ def insp():
     i.close()
 
 
-def test_runc_sandbox_turns(insp, runtime, busybox_image, sandbox_factory):
+def test_runc_sandbox_turns(insp, runtime, busybox_image, sandbox_factory, monkeypatch):
     from crabd.runtime.oci import RUN_PATH as runtime_run_path
 
     assert runtime_run_path == RUN_PATH
+    # `runc exec` itself (its wrapper's status fifo is checked below): with
+    # the exec channel, the default, the init spawns the commands and runc
+    # exec is only the fallback (test_exec_channel.py checks its attribution).
+    monkeypatch.setattr(runtime, "exec_channel", False)
     sb = sandbox_factory(busybox_image)
     cg = runtime.cgroup_v2_dir(sb.id)
     assert cg is not None and cg.is_dir(), "the runtime gave no unified-hierarchy cgroup"

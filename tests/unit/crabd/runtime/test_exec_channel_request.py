@@ -36,10 +36,10 @@ def test_init_args_only_when_asked():
     assert _cfg(init_args=("--channel", channel.NAME))["process"]["args"] == [INIT_PATH, "--channel", "crabd-exec"]
 
 
-def test_setting_is_off_by_default(monkeypatch):
+def test_setting_is_on_by_default(monkeypatch):
     monkeypatch.delenv("CRABD_EXEC_CHANNEL", raising=False)
-    assert config.exec_channel() is False
-    for v, want in (("1", True), ("yes", True), ("0", False), ("", False)):
+    assert config.exec_channel() is True
+    for v, want in (("1", True), ("yes", True), ("0", False), ("off", False), ("", True)):
         monkeypatch.setenv("CRABD_EXEC_CHANNEL", v)
         assert config.exec_channel() is want
 
