@@ -13,6 +13,9 @@ chain of every token they drew, name, spin counter, a ring of the last 16
 frozen. Their timers fire at the offsets they are given (around the turn's
 end, or during the agent's LLM wait); their log files are named
 `oracle-bg-<name>.log` (append-only: see crabd/oracle.py).
+
+Size (~670 lines): one file by necessity: it is copied into the sandbox
+and runs there alone (stdlib only), one handler per effect kind.
 """
 
 import ctypes

@@ -44,6 +44,10 @@ distinguishing argument).
 
 Budgets (per lineage: turns, wall seconds of exec, cost units, retries) are
 rows of the same database: rollbacks, forks and restarts do not reset them.
+
+Size (~650 lines): one ledger: its matching, its lifecycle, the budgets
+it charges and the rollback walk that says what a rollback leaves behind
+share one store and one lineage rule.
 """
 
 from __future__ import annotations

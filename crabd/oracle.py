@@ -33,6 +33,10 @@ its capture instant. This module lets a benchmark check that promise:
 Process pids are those of the sandbox's pid namespace (CRIU restores them);
 zombies are left out (an init reaps them at its own pace), and so are crabd's
 own exec plumbing in /dev (`/dev/.crabd*`).
+
+Size (~880 lines): the record (every mount, process and instrumented
+worker) and its comparison belong together: `compare` reads exactly what
+`read_state` writes, and splitting them would split one format.
 """
 
 from __future__ import annotations

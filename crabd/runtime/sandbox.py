@@ -15,6 +15,10 @@ so several crabd instances (tests) never see each other's containers.
 
 Beside it: exec_result.py (what an exec's report means, pure) and reaper.py
 (the children crabd adopts as a child subreaper, and their reaping).
+
+Size (~600 lines): one class, the runtime seam the daemon drives (create,
+start, exec by runc or by the init's channel, stop, reset, state); what is
+pure already lives in the two modules above.
 """
 
 from __future__ import annotations
