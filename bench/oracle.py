@@ -71,7 +71,7 @@ FILE_OPS = ["write", "append", "pwrite", "writev", "at", "cdwrite", "rename", "e
 WORKER_KINDS = ["file", "mem", "spin", "sysv", "shanon", "sig", "uring", "uringsq", "hold", "ipc", "queue"]
 # What a later turn's new process does to an older worker that is not running
 # (each fixed in crabd's inspector: tests/integration/ebpf/test_other_process_effects.py)
-OTHER_OPS = {"hold": ["getfd"], "ipc": ["ipc:msgsnd", "ipc:msgrm", "ipc:semset", "ipc:semrm", "ipc:shmw", "ipc:shmrm"],
+OTHER_OPS = {"hold": ["getfd", "held:rm", "held:mv"], "ipc": ["ipc:msgsnd", "ipc:msgrm", "ipc:semset", "ipc:semrm", "ipc:shmw", "ipc:shmrm"],
              "queue": ["queue:pipe", "queue:fifo", "queue:unix", "queue:inotify"]}
 PRIO_OPS = ["prio:nice", "prio:rlimit", "prio:sched"]
 FAULTS = ["kill-sandbox", "daemon-kill", "daemon-kill-twice", "rollback"]
@@ -199,6 +199,7 @@ class Generator:
         r = self.rng
         out: list[Turn] = []
         alive: dict[str, str] = {}
+        held: dict[str, str] = {}  # hold worker -> the path of the file it holds, while that path names it
         timers_ms = 0  # how long the timers of the workers spawned so far may still fire (estimated)
         for i in range(turns):
             kinds: list[str] = []
@@ -219,6 +220,7 @@ class Generator:
                 path = "-"
                 if kind == "hold":
                     path = r.choice([f"/work/oracle-hold-{name}", f"/dev/shm/oracle-hold-{name}"])
+                    held[name] = path
                     kinds.append("mount:rootfs" if path.startswith("/work") else "mount:tmpfs:/dev/shm")
                 if kind in ("uring", "uringsq"):
                     # the kernel writes the log for it (task work, iou-sqp thread)
@@ -245,10 +247,19 @@ class Generator:
                 if target and y < 0.55:
                     # a new process changes what the (sleeping) worker owns
                     what = r.choice([o for o in OTHER_OPS[alive[name]]
-                                     if not (self.avoid_known and o == "queue:inotify")])
+                                     if not (self.avoid_known and o == "queue:inotify")
+                                     and not (o.startswith("held:") and name not in held)])
                     kinds.append("proc:fd-taken" if what == "getfd" else what)
-                    ops = [["getfd", name, self._hex()] if what == "getfd" else
-                           [what.split(":")[0], name, what.split(":")[1], self._hex()]]
+                    if what.startswith("held:"):
+                        # the file the worker holds, deleted or renamed by a
+                        # shell of this turn (the worker's image names its path)
+                        path = held.pop(name)
+                        kinds.append("mount:rootfs" if path.startswith("/work") else "mount:tmpfs:/dev/shm")
+                        t = Turn([], kinds, wait, shell=f"rm {path}" if what == "held:rm" else f"mv {path} {path}.moved")
+                        ops = []
+                    else:
+                        ops = [["getfd", name, self._hex()] if what == "getfd" else
+                               [what.split(":")[0], name, what.split(":")[1], self._hex()]]
                 elif y < (0.8 if target else 0.25):
                     what = r.choice(PRIO_OPS)
                     kinds.append(what)
@@ -270,7 +281,9 @@ class Generator:
                     kinds.append("proc:kill" if sig == "KILL" else "proc:term")
                     ops = [["kill", name, sig]]
                     alive.pop(name)
-                t = Turn(ops, kinds, wait)
+                    held.pop(name, None)
+                if ops:
+                    t = Turn(ops, kinds, wait)
             else:
                 ops = []
                 for _ in range(r.randint(1, 3)):
@@ -291,6 +304,7 @@ class Generator:
                 t.kinds.append(f"fault:{t.fault}")
                 if t.fault == "kill-sandbox":
                     alive.clear()  # the recovery may restore them, or not: the model does not rely on it
+                    held.clear()
             out.append(t)
         return out
 

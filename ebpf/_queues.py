@@ -39,7 +39,13 @@ import sys
 import termios
 from collections.abc import Callable
 
-__all__ = ["queues"]
+__all__ = ["queues", "INOTIFY", "inotify_events_waiting"]
+
+# An inotify instance's entry in the fingerprint: "ino<fd>:<bytes>" (other
+# pipes and FIFOs: "fd<fd>:<bytes>"). CRIU restores an inotify instance and
+# its watches, not the events waiting in it: `inotify_events_waiting` tells
+# which processes would lose some.
+INOTIFY = "ino"
 
 _SOCK_DIAG_BY_FAMILY = 20
 _NLM_F_REQUEST, _NLM_F_DUMP = 0x1, 0x300
@@ -153,7 +159,8 @@ def queues(pid: int, links: dict[int, str]) -> str:
     inotify instances ("" if it holds none), given its fds (`links`:
     ebpf._proc.fd_links). A socket whose queue cannot be read makes it "?"."""
     inodes, others = _fds(pid, links)
-    parts = [f"fd{fd}:{n}" for fd, n in sorted(_waiting(pid, others).items())] if others else []
+    parts = ([f"{INOTIFY if links.get(fd) == 'anon_inode:inotify' else 'fd'}{fd}:{n}"
+              for fd, n in sorted(_waiting(pid, others).items())] if others else [])
     if inodes:
         from deltacr.netns import in_netns  # the one setns helper (a thread enters the namespace)
         try:
@@ -162,3 +169,8 @@ def queues(pid: int, links: dict[int, str]) -> str:
             return "?"
         parts += [f"{i}:{got.get(i, '-')}" for i in sorted(inodes)]
     return " ".join(parts)
+
+
+def inotify_events_waiting(fingerprint: str) -> bool:
+    """Whether a `queues` fingerprint has events waiting in an inotify instance."""
+    return any(p.startswith(INOTIFY) and p.rsplit(":", 1)[1] not in ("0", "-1") for p in fingerprint.split())

@@ -34,8 +34,10 @@ from ebpf._events import (
     landed_scope,
 )
 from ebpf._proc import ProcInfo
+from ebpf._queues import inotify_events_waiting
 from ebpf.effects import (
     MAX_SAMPLES,
+    NOT_RESTORED,
     Connections,
     Effects,
     ExecRecord,
@@ -44,6 +46,11 @@ from ebpf.effects import (
     SocketRecord,
     Source,
 )
+
+def _pids_text(infos: list[ProcInfo], limit: int = 3) -> str:
+    shown = ", ".join(f"{i.pid} {i.comm!r}" for i in infos[:limit])
+    return shown + (f" and {len(infos) - limit} more" if len(infos) > limit else "")
+
 
 # Programs whose run changes installed software (canonical name per binary).
 PACKAGE_MANAGERS = {
@@ -369,6 +376,10 @@ class TurnRecorder:
     ) -> Effects:
         self._flush_fresh()
         notes = list(notes or [])
+        waiting = [i for _p, i in sorted(after.items()) if inotify_events_waiting(i.queued)]
+        if waiting:
+            notes.append(f"{NOT_RESTORED}inotify events waiting for {_pids_text(waiting)}: a restore gives back "
+                         "the instance and its watches, not the events (CRIU)")
         if tmpfs_changed:
             # seen by comparing the memory file systems' state (ebpf._tmpfs),
             # whatever path, fd or mapping the change went through

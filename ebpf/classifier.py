@@ -35,7 +35,7 @@ import enum
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ebpf.effects import Effects, text_safe
+from ebpf.effects import NOT_RESTORED, Effects, text_safe
 
 
 class PlanKind(str, enum.Enum):
@@ -105,6 +105,9 @@ def classify(effects: Effects) -> Plan:
         need(fs, f"{e.file_changes} file-system change(s) ({', '.join(parts)}), e.g. {first}")
     if e.package_managers:
         need(fs, f"package manager(s) ran: {', '.join(e.package_managers)}")
+    if kind is PlanKind.FS_PROC:
+        # what this turn's process image will not hold (a restore loses it): said, never silent
+        reasons += [text_safe(n) for n in e.notes if n.startswith(NOT_RESTORED)]
     if kind is PlanKind.SKIP:
         reasons.append("no recovery-relevant OS effect seen")
     return Plan(

@@ -108,6 +108,11 @@ class Connections(BaseModel):
     unix: Sample = Field(default_factory=Sample, description="unix-domain sockets (paths, @abstract names)")
 
 
+# A note that starts so names state a process checkpoint of this turn does not
+# hold (the classifier repeats it among an FS_PROC plan's reasons).
+NOT_RESTORED = "not restored: "
+
+
 class Effects(BaseModel):
     """The OS-visible effects of one turn of one sandbox."""
 

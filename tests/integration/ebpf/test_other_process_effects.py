@@ -166,3 +166,24 @@ def test_bytes_left_in_a_fifo_an_older_process_holds(sandbox):
     c.exec(sid, drain)  # the live sandbox moves on: its pipe is empty again
     c.rollback(sid, r["checkpoint"])
     assert c.exec(sid, drain)["stdout"] == "data\n"
+
+
+WATCHER = r'''
+import ctypes, os, time
+libc = ctypes.CDLL(None, use_errno=True)
+fd = libc.inotify_init1(0)
+os.makedirs("/work/d", exist_ok=True)
+assert libc.inotify_add_watch(fd, b"/work/d", 0x100 | 0x2) >= 0   # IN_CREATE | IN_MODIFY
+time.sleep(3600)
+'''
+
+
+def test_inotify_events_a_restore_loses_are_named(sandbox):
+    """Events waiting in an older process's inotify instance change it
+    without it running (FS_PROC), but CRIU restores the instance and its
+    watches, not the events: the checkpoint says so among its reasons
+    instead of losing them silently (found by the oracle)."""
+    c, sid = sandbox
+    assert c.exec(sid, ["sh", "-c", "cat > /opt/watch.py"], stdin=WATCHER)["exit_code"] == 0
+    assert c.exec(sid, "(setsid python3 /opt/watch.py </dev/null >/dev/null 2>&1 &); sleep 0.5")["exit_code"] == 0
+    _saves_processes(c, sid, "echo x > /work/d/new", reason="not restored: inotify events waiting")

@@ -96,3 +96,15 @@ def test_more_effects_never_lower_the_plan(a, b):
 def test_drops_always_mean_worst_case(e):
     e.dropped_events = max(e.dropped_events, 1)
     assert classify(e).kind is PlanKind.FS_PROC
+
+
+def test_what_a_process_checkpoint_will_not_hold_is_among_the_reasons():
+    from ebpf._queues import inotify_events_waiting
+    from ebpf.effects import NOT_RESTORED
+    assert inotify_events_waiting("fd4:0 ino3:64 123:0")
+    assert not inotify_events_waiting("fd4:8 ino3:0 ino5:-1 123:4")
+    note = NOT_RESTORED + "inotify events waiting for 7 'watcher'"
+    lossy = eff(notes=[note], new_processes=[ProcessRecord(pid=7, comm="watcher")])
+    assert note in classify(lossy).reasons
+    quiet = eff(notes=[note])
+    assert note not in classify(quiet).reasons  # no process image taken: its parent's says it
