@@ -43,7 +43,14 @@ class Standbys(DaemonBase):
         self.scheduler.cancel(sid, kinds=[JobKind.STANDBY_REFRESH])  # only the newest matters
 
         async def run() -> None:
+            held = self.standbys.get(sid)
             await asyncio.to_thread(self._refresh_standby, sid)
+            now = self.standbys.get(sid)
+            if held is not None and (now is None or now.checkpoint != held.checkpoint):
+                # Retention spares the checkpoint a standby holds; a round that
+                # ran while this refresh was queued (refreshes coalesce under
+                # load) kept the old one, and nothing else would retry it.
+                self._schedule_maintenance()
 
         def failed(e: BaseException) -> None:
             log.warning("standby refresh of %s failed: %s", sid, e)
