@@ -58,7 +58,7 @@ def test_a_held_file_deleted_or_renamed_saves_the_holder(daemon, change):
         settled_checkpoints(c, sid, 240)
         c.exec(sid, f"kill {pid}")
         rb = c.rollback(sid, r["checkpoint"])
-        assert rb["restored"] == "fs+proc", rb
+        assert rb["restored"].startswith("fs+proc"), rb  # (a promotion says "(hot standby)")
         assert _held(c, sid, pid) == want
     finally:
         c.delete_sandbox(sid)
@@ -73,7 +73,7 @@ def test_a_write_to_a_held_file_stays_a_file_turn(daemon):
         settled_checkpoints(c, sid, 240)
         c.exec(sid, "echo later >> /work/d/f")
         rb = c.rollback(sid, r["checkpoint"])
-        assert rb["restored"] == "fs+proc", rb
+        assert rb["restored"].startswith("fs+proc"), rb  # (a promotion says "(hot standby)")
         assert c.exec(sid, "cat /work/d/f")["stdout"] == "first\nmore\n"
         assert c.exec(sid, f"readlink /proc/{pid}/fd/3")["stdout"] == "/work/d/f\n"
     finally:
