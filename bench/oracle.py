@@ -74,6 +74,8 @@ WORKER_KINDS = ["file", "mem", "spin", "sysv", "shanon", "sig", "uring", "urings
 OTHER_OPS = {"hold": ["getfd", "held:rm", "held:mv"], "ipc": ["ipc:msgsnd", "ipc:msgrm", "ipc:semset", "ipc:semrm", "ipc:shmw", "ipc:shmrm"],
              "queue": ["queue:pipe", "queue:fifo", "queue:unix", "queue:inotify"]}
 PRIO_OPS = ["prio:nice", "prio:rlimit", "prio:sched"]
+# The agent's LLM waits drawn while no worker timer is pending (see Generator.session).
+SHORT_WAITS_MS = (0, 20, 80)
 FAULTS = ["kill-sandbox", "daemon-kill", "daemon-kill-twice", "rollback"]
 EFFECT_KINDS = ([f"fs:{o}" for o in FILE_OPS] + ["path:abs", "path:relative", "path:dirfd", "path:symlink"]
                 + [f"mount:{m}" for m in sorted(set(DIRS.values()))]
@@ -296,7 +298,7 @@ class Generator:
             # short one tests the same (the next turn then meets the
             # previous capture still running, as a fast agent does).
             if timers_ms <= 0:
-                t.wait_ms = r.choice([0, 20, 80])
+                t.wait_ms = r.choice(SHORT_WAITS_MS)
             timers_ms -= t.wait_ms + 400  # 400: a turn's own time, at least
             if self.faults and i > 1 and r.random() < 0.08:
                 t.fault = r.choice(["kill-sandbox", "rollback"] if self.avoid_known else FAULTS)
