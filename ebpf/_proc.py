@@ -182,17 +182,7 @@ class HostProcessTable:
     def listening(self, pids: set[int]) -> dict[int, list[str]]:
         out: dict[int, list[str]] = {}
         for pid in pids:
-            inodes: set[str] = set()
-            try:
-                for fd in os.listdir(f"/proc/{pid}/fd"):
-                    try:
-                        link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                    except OSError:
-                        continue
-                    if link.startswith("socket:["):
-                        inodes.add(link[8:-1])
-            except OSError:
-                continue
+            inodes = {link[8:-1] for link in fd_links(pid).values() if link.startswith("socket:[")}
             if not inodes:
                 continue
             for name, v6 in (("tcp", False), ("tcp6", True)):

@@ -45,6 +45,15 @@ def daemon(module_daemon):
     return module_daemon(images=("debian-py",))
 
 
+@pytest.fixture
+def sandbox(daemon):
+    """A debian-py sandbox of the module's daemon: (client, sandbox id)."""
+    c = daemon.client()
+    sid = c.create_sandbox("debian-py")["id"]
+    yield c, sid
+    c.delete_sandbox(sid)
+
+
 def _run(c, sid, script):
     assert c.exec(sid, ["sh", "-c", "cat > /opt/probe.py"], stdin=script)["exit_code"] == 0
     r = c.exec(sid, ["python3", "/opt/probe.py"])
@@ -52,45 +61,33 @@ def _run(c, sid, script):
     return {line.split()[0]: (int(line.split()[1]), int(line.split()[2])) for line in r["stdout"].splitlines()}
 
 
-def test_kernel_keyrings_and_posix_mqueues_are_refused(daemon):
-    c = daemon.client()
-    sid = c.create_sandbox("debian-py")["id"]
-    try:
-        keys = _run(c, sid, KEYRING)
-        assert keys == {"add_key": (-1, 1), "request_key": (-1, 1), "keyctl": (-1, 1)}, keys
-        assert _run(c, sid, MQUEUE) == {"mq_open": (-1, 38)}   # ENOSYS
-        made = c.exec(sid, "echo > /dev/mqueue/q")   # a queue made through the file system
-        assert made["exit_code"] != 0 and "Read-only" in made["stderr"], made
-    finally:
-        c.delete_sandbox(sid)
+def test_kernel_keyrings_and_posix_mqueues_are_refused(sandbox):
+    c, sid = sandbox
+    keys = _run(c, sid, KEYRING)
+    assert keys == {"add_key": (-1, 1), "request_key": (-1, 1), "keyctl": (-1, 1)}, keys
+    assert _run(c, sid, MQUEUE) == {"mq_open": (-1, 38)}   # ENOSYS
+    made = c.exec(sid, "echo > /dev/mqueue/q")   # a queue made through the file system
+    assert made["exit_code"] != 0 and "Read-only" in made["stderr"], made
 
 
-def test_processes_under_the_filter_dump_and_restore(daemon):
-    c = daemon.client()
-    sid = c.create_sandbox("debian-py")["id"]
-    try:
-        r = c.exec(sid, "mkdir -p /work; (setsid sh -c 'echo $$ > /work/pid; exec sleep 3600' </dev/null >/dev/null 2>&1 &); sleep 0.2")
-        assert r["plan"] == "FS_PROC", r
-        ck = settled_checkpoints(c, sid, 240)[-1]
-        assert ck["proc_image"], ck
-        pid = c.exec(sid, "cat /work/pid")["stdout"].strip()
-        c.exec(sid, f"kill {pid}")
-        c.rollback(sid, r["checkpoint"])
-        assert c.exec(sid, f"grep -E '^(State|Seccomp):' /proc/{pid}/status")["stdout"].split() == \
-            ["State:", "S", "(sleeping)", "Seccomp:", "2"]
-        assert _run(c, sid, KEYRING)["add_key"] == (-1, 1)
-    finally:
-        c.delete_sandbox(sid)
+def test_processes_under_the_filter_dump_and_restore(sandbox):
+    c, sid = sandbox
+    r = c.exec(sid, "mkdir -p /work; (setsid sh -c 'echo $$ > /work/pid; exec sleep 3600' </dev/null >/dev/null 2>&1 &); sleep 0.2")
+    assert r["plan"] == "FS_PROC", r
+    ck = settled_checkpoints(c, sid, 240)[-1]
+    assert ck["proc_image"], ck
+    pid = c.exec(sid, "cat /work/pid")["stdout"].strip()
+    c.exec(sid, f"kill {pid}")
+    c.rollback(sid, r["checkpoint"])
+    assert c.exec(sid, f"grep -E '^(State|Seccomp):' /proc/{pid}/status")["stdout"].split() == \
+        ["State:", "S", "(sleeping)", "Seccomp:", "2"]
+    assert _run(c, sid, KEYRING)["add_key"] == (-1, 1)
 
 
-def test_crabds_plumbing_directory_takes_no_files(daemon):
-    c = daemon.client()
-    sid = c.create_sandbox("debian-py")["id"]
-    try:
-        r = c.exec(sid, "echo leak > /dev/.crabd/leak; mkdir /dev/.crabd/d")
-        assert r["exit_code"] != 0 and "Read-only" in r["stderr"], r
-        left = c.exec(sid, "ls -A /dev/.crabd")["stdout"].split()
-        assert all(n.startswith("exec-") and n.endswith(".fifo") for n in left), left  # (this exec's own fifo)
-        assert c.exec(sid, "echo still works")["stdout"] == "still works\n"
-    finally:
-        c.delete_sandbox(sid)
+def test_crabds_plumbing_directory_takes_no_files(sandbox):
+    c, sid = sandbox
+    r = c.exec(sid, "echo leak > /dev/.crabd/leak; mkdir /dev/.crabd/d")
+    assert r["exit_code"] != 0 and "Read-only" in r["stderr"], r
+    left = c.exec(sid, "ls -A /dev/.crabd")["stdout"].split()
+    assert all(n.startswith("exec-") and n.endswith(".fifo") for n in left), left  # (this exec's own fifo)
+    assert c.exec(sid, "echo still works")["stdout"] == "still works\n"
