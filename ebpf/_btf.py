@@ -185,6 +185,7 @@ FD_FS_MEMBERS = (
     ("OFF_FILE_INODE", "file", "f_inode"),
     ("OFF_INODE_MODE", "inode", "i_mode"),
     ("OFF_INODE_SB", "inode", "i_sb"),
+    ("OFF_INODE_NLINK", "inode", "i_nlink"),
     ("OFF_SB_MAGIC", "super_block", "s_magic"),
     ("OFF_TASK_FS", "task_struct", "fs"),
     ("OFF_FS_PWD", "fs_struct", "pwd"),

@@ -76,15 +76,23 @@ LANDED_SCOPE: dict[int, str] = {
     0x958458F6: "tmpfs",  # hugetlbfs
 }
 S_IFMT, S_IFCHR, S_IFBLK = 0o170000, 0o020000, 0o060000
+# Set by fd_fs() in an open's fsmode (above i_mode's 16 bits): the file is a
+# regular file with no name left, deleted while a process held it open and
+# reached again through /proc/PID/fd/N. Its content is in no snapshot, only
+# in the holder's process image.
+FS_UNLINKED = 0x10000
 
 
 def landed_scope(magic: int, mode: int) -> str | None:
     """Pure: the scope (as ebpf._turn.path_scope names them) of the file
-    system an open landed on, or None (unknown, a device node, or a file
-    system whose changes a snapshot holds)."""
+    system an open landed on; "held" for a deleted file a process still
+    holds (FS_UNLINKED); None for unknown, a device node, or a file system
+    whose changes a snapshot holds."""
     if mode & S_IFMT in (S_IFCHR, S_IFBLK):
         return None
-    return LANDED_SCOPE.get(magic)
+    if magic in LANDED_SCOPE:
+        return LANDED_SCOPE[magic]
+    return "held" if mode & FS_UNLINKED else None
 
 
 AF_UNIX = 1
@@ -275,6 +283,8 @@ def defines(follow_pids: bool = False, count_writes: bool = True,
         "AT_FDCWD_": AT_FDCWD,
         "O_CREAT_": O_CREAT,
         "O_TRUNC_": O_TRUNC,
+        "O_TMPFILE_": O_TMPFILE,
+        "FS_UNLINKED": FS_UNLINKED,
         "OPEN_WRITE_FLAGS": OPEN_WRITE_FLAGS,
         "AF_UNIX_": AF_UNIX,
         "AF_INET_": AF_INET,

@@ -81,6 +81,13 @@ _DEVICES = {
 }  # fmt: skip
 # /proc paths that alias files of the file system.
 _PROC_ALIAS = re.compile(r"^/proc/[^/]+/(fd|cwd|root|map_files|task/[^/]+/(fd|cwd|root))(/|$)")
+# ... of them, those that reach a file through a process's open files: it may
+# have no name left (deleted while held, a memfd), so only that process's image
+# holds it. An open through one is resolved in the kernel (ebpf._events.
+# landed_scope); any other change through one (truncate, chmod, xattr, ...),
+# or an open the kernel side could not resolve, is taken as such a file. A
+# link from one names the file in the snapshot (an O_TMPFILE made visible).
+_PROC_FD = re.compile(r"^/proc/[^/]+/(fd|map_files|task/[^/]+/fd)/")
 _OPAQUE = {OPAQUE_URING_SETUP: "io_uring", OPAQUE_VM_WRITE: "process_vm_writev",
            OPAQUE_PTRACE_POKE: "ptrace writes into another process",
            OPAQUE_FD_TAKEN: "pidfd_getfd: a file descriptor taken from another process",
@@ -243,7 +250,8 @@ class TurnRecorder:
         if landed and self._scope(paths[0][0]) == "rootfs":
             scopes.discard("rootfs")
             scopes.add(landed)
-            shown = f"{shown} (on {landed} fs)"
+            shown = f"{shown} (a file only a process holds: deleted, or a memfd)" if landed == "held" \
+                else f"{shown} (on {landed} fs)"
         if "rootfs" in scopes:
             self._sample(self.files, kind, shown)
         for s in scopes - {"rootfs"}:
@@ -286,6 +294,9 @@ class TurnRecorder:
                     self.transient += 1
                     return
             landed = landed_scope(ev.fsmagic, ev.fsmode) if k == EventKind.OPEN_WRITE else None
+            if landed is None and k != EventKind.LINK and (k != EventKind.OPEN_WRITE or not ev.fsmagic) and \
+                    _PROC_FD.match(posixpath.normpath(ev.path or ".")):
+                landed = "held"  # not resolved in the kernel: taken as a file only a process holds
             self._file(FILE_KINDS[k], shown, paths, landed)
         elif k == EventKind.EXEC_ARGS:
             self._exec_args[ev.tid] = ev

@@ -16,6 +16,8 @@ counts as the worst case. The decision table (documented in the README):
     mount / umount                                          FS_PROC
     System V IPC object or POSIX message queue used         FS_PROC
     write to /proc or /sys (kernel state)                   FS_PROC
+    write to a file only a process holds (deleted but
+      open, reached through /proc/PID/fd/N)                 FS_PROC
     a tmpfs changed (/dev path, or the turn-end tmpfs scan) FS_PROC
     any file-system change (write, create, delete, ...)     FS
     a package manager ran                                   FS
@@ -95,7 +97,7 @@ def classify(effects: Effects) -> Plan:
         need(proc, f"{e.mounts.count} mount change(s): {', '.join(e.mounts.sample[:3])}")
     if e.kernel_objects.count:
         need(proc, f"{e.kernel_objects.count} IPC object(s) / message queue(s) created or used")
-    for scope in ("kernel", "tmpfs"):
+    for scope in ("kernel", "tmpfs", "held"):
         s = e.special_writes.get(scope)
         if s and s.count:
             need(proc, f"{s.count} write(s) to {scope} state: {', '.join(s.sample[:3])}")

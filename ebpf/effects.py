@@ -152,6 +152,8 @@ class Effects(BaseModel):
             "tmpfs (/dev/shm, the rest of /dev, /dev/mqueue: lives in memory, only a process checkpoint "
             "keeps it; a write by an absolute /dev path, or a path the turn-end comparison of the "
             "sandbox's memory file systems found changed, sampled as 'PATH (changed in memory)'), "
+            "held (a file only a process holds: deleted while open, or a memfd, reached through "
+            "/proc/PID/fd/N; only that process's checkpoint keeps it), "
             "outside (under a path the watcher declared not part of the sandbox's file system: ignored)"
         ),
     )

@@ -229,7 +229,12 @@ static __always_inline void fd_fs(long fd, u32 *magic, u32 *mode)
     unsigned long mg = 0;
     bpf_probe_read_kernel(&m, sizeof(m), (char *)inode + OFF_INODE_MODE);
     bpf_probe_read_kernel(&mg, sizeof(mg), (char *)kread_ptr(inode, OFF_INODE_SB) + OFF_SB_MAGIC);
-    *mode = m;
+    u32 nlink = 1;
+    bpf_probe_read_kernel(&nlink, sizeof(nlink), (char *)inode + OFF_INODE_NLINK);
+    /* a regular file with no name left (deleted while a process holds it
+     * open, reached again through /proc/PID/fd/N): only that process's
+     * image holds its content (ebpf._events.FS_UNLINKED) */
+    *mode = m | ((m & 0170000) == 0100000 && nlink == 0 ? FS_UNLINKED : 0);
     *magic = (u32)mg;
 #endif
 }
@@ -250,12 +255,14 @@ static __always_inline u64 dir_id(s32 dfd)
 }
 
 /* Does an open that landed on (magic, mode) change state a file-system
- * snapshot does not hold? Device nodes do not (whatever fs holds the node);
+ * snapshot does not hold? A deleted file does; device nodes do not (whatever fs holds the node);
  * proc, sysfs, cgroup fs, memory file systems do: the magics are
  * ebpf._events.LANDED_SCOPE, generated into LANDS_SPECIAL_CASES. */
 static __always_inline u32 lands_special(u32 magic, u32 mode)
 {
     u32 fmt = mode & 0170000;
+    if (mode & FS_UNLINKED)
+        return 1;
     if (!magic || fmt == 0020000 || fmt == 0060000) /* unknown, chr, blk */
         return 0;
     switch (magic) {
@@ -454,8 +461,11 @@ static __always_inline int finish(long ret)
         seen.delete(&k);
     }
     u32 magic = 0, mode = 0;
-    if (q.kind == EV_OPEN_WRITE)
+    if (q.kind == EV_OPEN_WRITE) {
         fd_fs(ret, &magic, &mode);
+        if ((q.arg & O_TMPFILE_) == O_TMPFILE_)
+            mode &= ~FS_UNLINKED; /* unnamed by design: a LINK names it later */
+    }
     if (!q.special && !lands_special(magic, mode) && !may_emit(q.tag, q.kind))
         return 0;
     struct event *e = new_event(q.tag, q.kind);

@@ -7,7 +7,14 @@ Restoring that image on that snapshot failed ("restored: fs"), and the
 processes were lost on every rollback to it. The held paths are part of the
 process comparison now (`ebpf._proc.held_files`): such a turn is FS_PROC,
 and its rollback brings the process back holding what it held. A write to a
-held file stays an FS turn (the snapshot has the content)."""
+held file stays an FS turn (the snapshot has the content).
+
+A file deleted while a process holds it open has no name left: its content
+is only in that process's image. A later turn that writes it again through
+/proc/PID/fd/N was planned FS (the path looked like the root file system),
+so its rollback brought back the old content. The kernel side now says such
+an open landed on a file with no links (inspector.c, fd_fs), and any other
+change through /proc/PID/fd/N counts the same: FS_PROC."""
 
 from __future__ import annotations
 
@@ -76,5 +83,49 @@ def test_a_write_to_a_held_file_stays_a_file_turn(daemon):
         assert rb["restored"].startswith("fs+proc"), rb  # (a promotion says "(hot standby)")
         assert c.exec(sid, "cat /work/d/f")["stdout"] == "first\nmore\n"
         assert c.exec(sid, f"readlink /proc/{pid}/fd/3")["stdout"] == "/work/d/f\n"
+    finally:
+        c.delete_sandbox(sid)
+
+
+# An older process: fd 3 a file deleted while it holds it, fd 4 a memfd, fd 5 a named file.
+GHOST_HOLDER = ("mkdir -p /work/g; cd /work/g; echo first > gone; echo named > kept; "
+                "(setsid python3 -c 'import os,time; m=os.memfd_create(\"m\"); os.write(m,b\"mem\\n\"); os.dup2(m,4); "
+                "os.unlink(\"/work/g/gone\"); print(os.getpid(), file=open(\"/work/gpid\", \"w\"), flush=True); "
+                "time.sleep(3600)' 3>>gone 5>>kept </dev/null >/dev/null 2>&1 &); "
+                "while [ ! -s /work/gpid ]; do sleep 0.05; done")
+
+
+def test_a_deleted_file_an_older_process_holds_written_through_proc_fd(daemon):
+    c = daemon.client()
+    sid = c.create_sandbox("debian-py")["id"]
+    try:
+        assert c.exec(sid, GHOST_HOLDER)["exit_code"] == 0
+        pid = c.exec(sid, "cat /work/gpid")["stdout"].split()[0]
+        settled_checkpoints(c, sid, 240)
+        time.sleep(1.0)
+        assert c.exec(sid, "true")["plan"] == "SKIP"
+        ghost = f"/proc/{pid}/fd/3"
+
+        def content(fd: int) -> str:
+            return c.exec(sid, f"cat /proc/{pid}/fd/{fd}")["stdout"]
+
+        appended = c.exec(sid, f"echo more >> {ghost}")  # an open through the alias: resolved in the kernel
+        assert appended["plan"] == "FS_PROC" and any("held state" in r for r in appended["reasons"]), appended
+        truncated = c.exec(sid, f"truncate -s 3 {ghost}")  # a path call through the alias
+        assert truncated["plan"] == "FS_PROC", truncated
+        assert c.exec(sid, f"echo mem2 >> /proc/{pid}/fd/4")["plan"] == "FS_PROC"  # a memfd: tmpfs
+        # no false positive: a named file through the alias, and an unnamed
+        # temporary file (O_TMPFILE) of a process that exits, are plain
+        named = c.exec(sid, f"echo again >> /proc/{pid}/fd/5")
+        assert named["plan"] == "FS", named
+        tmp = c.exec(sid, "python3 -c 'import tempfile; f=tempfile.TemporaryFile(dir=\"/work\"); f.write(b\"x\"); f.close()'")
+        assert tmp["plan"] == "SKIP", tmp
+        settled_checkpoints(c, sid, 240)
+
+        assert c.rollback(sid, appended["checkpoint"])["restored"].startswith("fs+proc")
+        assert content(3) == "first\nmore\n"
+        assert c.rollback(sid, truncated["checkpoint"])["restored"].startswith("fs+proc")
+        assert content(3) == "fir"
+        assert content(5) == "named\n"
     finally:
         c.delete_sandbox(sid)

@@ -78,6 +78,9 @@ def test_landed_scope():
     assert landed_scope(0x01021994, 0o020666) is None     # /dev/null: a device node on tmpfs
     assert landed_scope(0xEF53, 0o100644) is None         # ext4: the snapshot holds it
     assert landed_scope(0, 0) is None                     # unknown
+    from ebpf._events import FS_UNLINKED
+    assert landed_scope(0x9123683E, 0o100644 | FS_UNLINKED) == "held"  # btrfs, deleted while held open
+    assert landed_scope(0x01021994, 0o100644 | FS_UNLINKED) == "tmpfs"  # a memfd: memory either way
 
 
 def test_effects_with_names_that_are_not_utf8_serialize():

@@ -336,7 +336,28 @@ def test_o_tmpfile_is_transient_but_linking_it_is_a_change(env):
     assert e.file_changes == 0 and e.transient_files == 1
     loader.emit(ev(K.OPEN_WRITE, tag, path="/tmp", arg=O_TMPFILE | 0o2),
                 ev(K.LINK, tag, path="/proc/self/fd/3", path2="/tmp/named"))
-    assert insp.end_turn("sb").files["link"].count == 1
+    e = insp.end_turn("sb")
+    assert e.files["link"].count == 1 and classify(e).kind is PlanKind.FS
+
+
+def test_a_file_only_a_process_holds_is_process_state(env):
+    # a deleted file (or memfd) reached through /proc/PID/fd/N: the kernel
+    # side marks an open of a file with no links; other calls through the
+    # alias are taken as such a file
+    insp, loader, procs, tag = env
+    from ebpf._events import FS_UNLINKED
+    loader.emit(ev(K.OPEN_WRITE, tag, path="/proc/9/fd/3", arg=O_WRONLY, fsmagic=0x9123683E, fsmode=0o100644 | FS_UNLINKED))
+    e = insp.end_turn("sb")
+    assert e.special_writes["held"].count == 1 and e.file_changes == 0
+    assert classify(e).kind is PlanKind.FS_PROC
+    loader.emit(ev(K.TRUNCATE, tag, path="/proc/9/fd/3"))
+    assert classify(insp.end_turn("sb")).kind is PlanKind.FS_PROC
+    loader.emit(ev(K.OPEN_WRITE, tag, path="/proc/9/fd/3", arg=O_WRONLY))  # not resolved in the kernel
+    assert classify(insp.end_turn("sb")).kind is PlanKind.FS_PROC
+    # a named file through the alias, resolved in the kernel (btrfs): a plain file change
+    loader.emit(ev(K.OPEN_WRITE, tag, path="/proc/9/fd/5", arg=O_WRONLY, fsmagic=0x9123683E, fsmode=0o100644))
+    e = insp.end_turn("sb")
+    assert e.file_changes == 1 and classify(e).kind is PlanKind.FS
 
 
 def test_outside_paths_do_not_count(env):
