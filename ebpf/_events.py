@@ -35,6 +35,12 @@ O_EXCL = 0o200
 O_TRUNC = 0o1000
 O_APPEND = 0o2000
 O_TMPFILE = 0o20000000 | 0o200000
+# ioctl commands that set an inode's attributes (linux/fs.h; the generic
+# _IOW encoding of x86_64, arm64 and riscv64): FS_IOC_SETFLAGS (long and its
+# 32-bit form, chattr) and FS_IOC_FSSETXATTR (struct fsxattr, xfs_io chattr)
+FS_IOC_SETFLAGS = 0x40086602
+FS_IOC32_SETFLAGS = 0x40046602
+FS_IOC_FSSETXATTR = 0x401C5820
 # Flags with which an open can change a file (O_TMPFILE needs O_WRONLY/RDWR).
 OPEN_WRITE_FLAGS = O_WRONLY | O_RDWR | O_CREAT | O_TRUNC | O_APPEND
 
@@ -117,6 +123,7 @@ class EventKind(enum.IntEnum):
     XATTR = 11
     MKNOD = 12
     UTIMES = 13
+    ATTR = 14
     MOUNT = 20
     UMOUNT = 21
     KERNEL_OBJECT = 22
@@ -146,6 +153,7 @@ FILE_KINDS: dict[EventKind, str] = {
     EventKind.XATTR: "xattr",
     EventKind.MKNOD: "mknod",
     EventKind.UTIMES: "utimes",
+    EventKind.ATTR: "attr",
 }
 
 
@@ -285,6 +293,9 @@ def defines(follow_pids: bool = False, count_writes: bool = True,
         "O_TRUNC_": O_TRUNC,
         "O_TMPFILE_": O_TMPFILE,
         "FS_UNLINKED": FS_UNLINKED,
+        "FS_IOC_SETFLAGS_": FS_IOC_SETFLAGS,
+        "FS_IOC32_SETFLAGS_": FS_IOC32_SETFLAGS,
+        "FS_IOC_FSSETXATTR_": FS_IOC_FSSETXATTR,
         "OPEN_WRITE_FLAGS": OPEN_WRITE_FLAGS,
         "AF_UNIX_": AF_UNIX,
         "AF_INET_": AF_INET,

@@ -140,7 +140,8 @@ class Effects(BaseModel):
         description=(
             "changes to the sandbox's file system per kind: write (open for write/create/truncate), "
             "delete, rmdir, rename ('old -> new'), mkdir, link, symlink ('link -> target'), chmod, chown, "
-            "truncate, xattr, mknod, utimes, socket (unix socket file bound); the proc fallback reports "
+            "truncate, xattr, mknod, utimes, attr (inode flags set by ioctl: chattr), socket (unix socket file "
+            "bound); the proc fallback reports "
             "everything its change probe saw as 'changed'"
         ),
     )

@@ -560,6 +560,18 @@ FILE_OP(utime, EV_UTIMES, AT_FDCWD_, args->filename, AT_FDCWD_, 0, 0)
 FILE_OP(utimes, EV_UTIMES, AT_FDCWD_, args->filename, AT_FDCWD_, 0, 0)
 FILE_OP(futimesat, EV_UTIMES, args->dfd, args->filename, AT_FDCWD_, 0, 0)
 
+/* Inode attributes set by ioctl on a descriptor (chattr, xfs_io): no write
+ * opens the file (chattr opens it read-only), yet the snapshot must hold the
+ * flags. Only these commands are stashed; every other ioctl costs a compare. */
+TRACEPOINT_PROBE(syscalls, sys_enter_ioctl)
+{
+    u32 cmd = (u32)args->cmd;
+    if (cmd != FS_IOC_SETFLAGS_ && cmd != FS_IOC32_SETFLAGS_ && cmd != FS_IOC_FSSETXATTR_)
+        return 0;
+    return stash(EV_ATTR, (s32)args->fd, 0, AT_FDCWD_, 0, (s64)cmd);
+}
+TRACEPOINT_PROBE(syscalls, sys_exit_ioctl) { return finish(args->ret); }
+
 /* --- write family: counters only ---------------------------------------------
  * No decision depends on them (a write needs an fd opened for writing, which
  * was an event, or it comes from an older process, which then ran), and they

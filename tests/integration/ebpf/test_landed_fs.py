@@ -15,7 +15,7 @@ from crabd.testing import wait_until
 
 import pytest
 
-pytestmark = pytest.mark.needs("runc", "criu", "bpf", "busybox")
+pytestmark = pytest.mark.needs("runc", "criu", "bpf", "busybox", "debian-py")
 
 
 def _settled(c, sid):
@@ -57,3 +57,22 @@ def test_relative_writes_into_proc_are_process_state(start_daemon):
         finally:
             c.delete_sandbox(sid)
     assert not wrong, "\n".join(wrong)
+
+
+def test_inode_flags_set_by_ioctl_are_a_file_change(start_daemon):
+    """`chattr +A` opens the file read-only and sets its flags by ioctl
+    (FS_IOC_SETFLAGS): no traced call named a change, the turn was SKIP, and
+    a rollback to it gave the file its old flags. The ioctl is traced now."""
+    c = start_daemon(images=("debian-py",)).client()
+    sid = c.create_sandbox("debian-py")["id"]
+    try:
+        assert c.exec(sid, "mkdir -p /work && echo a > /work/a")["exit_code"] == 0
+        _settled(c, sid)
+        r = c.exec(sid, "chattr +A /work/a")
+        assert r["exit_code"] == 0 and r["plan"] == "FS" and any("attr 1" in x for x in r["reasons"]), r
+        c.exec(sid, "chattr -A /work/a && echo b > /work/b")
+        _settled(c, sid)
+        c.rollback(sid, r["checkpoint"])
+        assert c.exec(sid, "lsattr /work/a")["stdout"].split()[0].count("A") == 1
+    finally:
+        c.delete_sandbox(sid)

@@ -340,6 +340,15 @@ def test_o_tmpfile_is_transient_but_linking_it_is_a_change(env):
     assert e.files["link"].count == 1 and classify(e).kind is PlanKind.FS
 
 
+def test_inode_flags_set_by_ioctl_are_a_file_change(env):
+    insp, loader, procs, tag = env
+    from ebpf._events import FS_IOC_SETFLAGS, program_text
+    assert "FS_IOC_SETFLAGS_" in program_text() and "sys_enter_ioctl" in program_text()
+    loader.emit(ev(K.ATTR, tag, path="", dfd=3, arg=FS_IOC_SETFLAGS))
+    e = insp.end_turn("sb")
+    assert e.files["attr"].sample == ["fd3"] and classify(e).kind is PlanKind.FS
+
+
 def test_a_file_only_a_process_holds_is_process_state(env):
     # a deleted file (or memfd) reached through /proc/PID/fd/N: the kernel
     # side marks an open of a file with no links; other calls through the
