@@ -25,8 +25,15 @@ What is in it, and why:
   keyring calls, as Docker's default profile does; ENOSYS for `mq_*`, so a
   program takes its fallback) is the alternative to losing them silently on
   the next rollback. /dev/mqueue is read-only for the same reason (a queue
-  can be made by `open` there). CRIU dumps and restores the filter with the
-  processes; `runc exec` applies it to each command.
+  can be made by `open` there). New user namespaces are refused too (EPERM
+  for `unshare` and `clone` with CLONE_NEWUSER, ENOSYS for `clone3`, whose
+  flags a filter cannot read, so glibc falls back to `clone`; Docker's
+  default profile refuses them to a container without CAP_SYS_ADMIN the
+  same way): in one, a sandbox's process holds every capability, mounts
+  file systems, and CRIU cannot dump it, so its processes were lost on the
+  next rollback (the checkpoint said `proc_failed`). CRIU dumps and
+  restores the filter with the processes; `runc exec` applies it to each
+  command.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Limits", "SECCOMP", "KEYRING_CALLS", "MQUEUE_CALLS", "INIT_PATH", "RUN_PATH", "build_config", "loopback_hook", "DEFAULT_ENV"]
+__all__ = ["Limits", "SECCOMP", "KEYRING_CALLS", "MQUEUE_CALLS", "CLONE_NEWUSER", "INIT_PATH", "RUN_PATH", "build_config", "loopback_hook", "DEFAULT_ENV"]
 
 INIT_PATH = "/dev/.crabd-init"
 # Per-sandbox host directory for exec status fifos (see init.c, mode 2).
@@ -65,12 +72,17 @@ _SECCOMP_ARCHES = ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"]
 KEYRING_CALLS = ("add_key", "keyctl", "request_key")
 MQUEUE_CALLS = ("mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify", "mq_getsetattr")
 EPERM, ENOSYS = 1, 38
+CLONE_NEWUSER = 0x10000000
+# unshare(flags) and clone(flags, ...): the flags are argument 0 on these architectures
+_NEWUSER_ARG = [{"index": 0, "value": CLONE_NEWUSER, "valueTwo": CLONE_NEWUSER, "op": "SCMP_CMP_MASKED_EQ"}]
 SECCOMP: dict[str, Any] = {
     "defaultAction": "SCMP_ACT_ALLOW",
     "architectures": _SECCOMP_ARCHES,
     "syscalls": [
         {"names": list(KEYRING_CALLS), "action": "SCMP_ACT_ERRNO", "errnoRet": EPERM},
         {"names": list(MQUEUE_CALLS), "action": "SCMP_ACT_ERRNO", "errnoRet": ENOSYS},
+        {"names": ["unshare", "clone"], "action": "SCMP_ACT_ERRNO", "errnoRet": EPERM, "args": _NEWUSER_ARG},
+        {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": ENOSYS},
     ],
 }
 

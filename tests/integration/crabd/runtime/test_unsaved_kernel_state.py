@@ -9,7 +9,11 @@ EPERM for the keyring calls, as Docker's default profile does; ENOSYS for
 on the next rollback. crabd's exec plumbing, a host directory bound at
 /dev/.crabd, is read-only inside (its status fifos still take writes): a
 file written there landed in the host's state directory, outside every
-snapshot and disk limit, and survived rollbacks. Everything else a sandbox does still works, a
+snapshot and disk limit, and survived rollbacks. New user namespaces are
+refused (EPERM; clone3 ENOSYS, so glibc falls back to clone): in one a
+process held every capability and mounted file systems, and CRIU could not
+dump it, so it was lost on the next rollback (`proc_failed`). Threads,
+forks and subprocesses still work. Everything else a sandbox does still works, a
 checkpoint with processes still dumps and restores under the filter, and a
 restored process keeps it."""
 
@@ -68,6 +72,31 @@ def test_kernel_keyrings_and_posix_mqueues_are_refused(sandbox):
     assert _run(c, sid, MQUEUE) == {"mq_open": (-1, 38)}   # ENOSYS
     made = c.exec(sid, "echo > /dev/mqueue/q")   # a queue made through the file system
     assert made["exit_code"] != 0 and "Read-only" in made["stderr"], made
+
+
+USERNS = r'''
+import ctypes, os, subprocess, threading
+libc = ctypes.CDLL(None, use_errno=True)
+for name, flags in (("unshare-user", 0x10000000), ("unshare-user-mount", 0x10000000 | 0x00020000)):  # NEWUSER, NEWNS
+    r = libc.unshare(flags)
+    print(name, r, ctypes.get_errno() if r < 0 else 0)
+t = threading.Thread(target=lambda: None); t.start(); t.join()   # pthread_create: clone3, then clone
+print("thread", 0, 0)
+print("subprocess", subprocess.run(["true"]).returncode, 0)
+pid = os.fork()
+if pid == 0:
+    os._exit(0)
+print("fork", os.waitpid(pid, 0)[1], 0)
+'''
+
+
+def test_user_namespaces_are_refused_threads_and_forks_work(sandbox):
+    c, sid = sandbox
+    got = _run(c, sid, USERNS)
+    assert got == {"unshare-user": (-1, 1), "unshare-user-mount": (-1, 1), "thread": (0, 0),
+                   "subprocess": (0, 0), "fork": (0, 0)}, got
+    r = c.exec(sid, "unshare -Urm true")   # util-linux's unshare(1): clone/unshare with CLONE_NEWUSER
+    assert r["exit_code"] != 0 and "Operation not permitted" in r["stderr"], r
 
 
 def test_processes_under_the_filter_dump_and_restore(sandbox):
