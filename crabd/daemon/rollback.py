@@ -32,7 +32,10 @@ from .plans import BLIND_RESTORED, is_complete
 
 log = logging.getLogger("crabd")
 
-__all__ = ["Rollback"]
+__all__ = ["Rollback", "ROLLING_BACK"]
+
+# The sandbox's state in the store while a rollback replaces its files and processes.
+ROLLING_BACK = "rolling_back"
 
 _OLD_ROOT = "_old_root"   # in _rollback_sync's result: a root snapshot to remove after the reply
 
@@ -122,6 +125,20 @@ class Rollback(DaemonBase):
         ck = self._latest_committed(row) if ref is None else self.resolve_checkpoint(sid, ref)
         self._require_files(ck)
         self.integrity.verify(ck)  # before anything of the sandbox is stopped or replaced
+        # A crash from here until _finish_rollback records the new head leaves
+        # files and processes that may be the target's, the old head's or a
+        # mix, while the store still names the old head: a restart that
+        # adopted them ran the target's state as the head's. Marked, a
+        # restart recovers the sandbox instead (startup._adopt).
+        self.store.update_sandbox(sid, state=ROLLING_BACK)
+        try:
+            return self._rollback_steps(sid, row, ck, processes, reason)
+        except BaseException:
+            self.store.update_sandbox(sid, state=row.state)
+            raise
+
+    def _rollback_steps(self, sid: str, row: SandboxRow, ck: CheckpointRow, processes: bool,
+                        reason: str) -> dict[str, Any]:
         timing: dict[str, float] = {}
         try:
             self.inspector.unwatch(sid)
@@ -130,6 +147,7 @@ class Rollback(DaemonBase):
         promoted = self._promote_standby(sid, ck, row, timing, processes)
         if promoted is not None:
             restored = "fs+proc (hot standby)" if processes and ck.proc_image else "fs (standby)"
+            chaos_point("rollback_restored")
             out = self._finish_rollback(sid, row, ck, promoted[0], restored, timing, reason, sb=promoted[1])
             # The old root goes after the reply (a btrfs subvolume delete was
             # ~a tenth of a promotion's rollback, profiled); unnamed by the
@@ -167,6 +185,7 @@ class Rollback(DaemonBase):
             self._remove_snapshot(row.fs_key)
             raise
         timing["start"] = time.monotonic() - t
+        chaos_point("rollback_restored")  # the target runs; the store still names the old head
         out = self._finish_rollback(sid, row, ck, new_key, restored, timing, reason)
         out[_OLD_ROOT] = row.fs_key  # removed after the reply, as a promotion's (unnamed by the store already)
         return out

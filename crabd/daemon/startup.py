@@ -26,6 +26,7 @@ from .base import DaemonBase, Turns
 from .events import EventKind
 from .names import FULL_MOUNT, IMPORT_MOUNT, is_sandbox_root
 from .plans import BLIND_RESTART
+from .rollback import ROLLING_BACK
 
 log = logging.getLogger("crabd")
 
@@ -104,6 +105,17 @@ class Startup(DaemonBase):
             await asyncio.to_thread(fr.thaw)
             sb = await asyncio.to_thread(self.runtime.get, sid)
             self.events.emit(EventKind.SANDBOX_THAWED, sid, reason="found frozen at daemon start")
+        if self.store.get_sandbox(sid).state == ROLLING_BACK:
+            # crabd stopped mid-rollback: what runs may be the target's state,
+            # the head's or a mix, and the store names the head. Never
+            # adopted: ended, and recovered to the head's line like a death.
+            await asyncio.to_thread(self._end_processes, sid)
+            self.store.update_sandbox(sid, state="dead")
+            self.events.emit(EventKind.SANDBOX_DIED, sid, reason="crabd stopped during a rollback of it: "
+                             "its files and processes were not known to be any checkpoint's")
+            if self.options.auto_rollback:
+                await self._auto_recover(sid)
+            return
         if sb.status == "running":
             await asyncio.to_thread(self._watch, sid, sb)  # `sb`: no second `runc state` spawn
             self.turns[sid].blind = BLIND_RESTART

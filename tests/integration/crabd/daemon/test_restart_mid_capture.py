@@ -99,3 +99,54 @@ def test_rollback_after_a_restart_mid_capture_keeps_the_files(start_daemon):
     with pytest.raises(FailedPrecondition) as e:
         c.rollback(sid, r2["checkpoint"])
     assert "failed" in str(e.value) and "committed" in str(e.value), e.value
+
+
+def test_a_restart_mid_rollback_never_adopts_a_state_the_head_is_not(start_daemon):
+    """crabd killed after a rollback restored its target's files and
+    processes but before it recorded the new head: the restart adopted the
+    running sandbox, which ran checkpoint 1's state while the store named
+    checkpoint 3, and the next turn's SKIP checkpoint claimed 3's files
+    (seen 2 of 5 times with the kill at a random moment). A rollback now
+    marks the sandbox first, and a restart recovers a marked one to its
+    head's line instead of adopting it."""
+    d = start_daemon(env={"CRABD_CHAOS": "rollback_restored", "CRABD_CHAOS_SLEEP": "30"})
+    c = d.client()
+    sid = c.create_sandbox("busybox")["id"]
+    r1 = c.exec(sid, "mkdir -p /w; echo one > /w/a; "
+                     "(setsid sh -c 'echo $$ > /w/pid; exec sleep 3600' </dev/null >/dev/null 2>&1 &); sleep 0.2")
+    c.exec(sid, "echo two > /w/b")
+    r3 = c.exec(sid, "kill $(cat /w/pid); echo three > /w/c")
+    assert (r1["plan"], r3["plan"]) == ("FS_PROC", "FS_PROC"), (r1, r3)
+    _settled(c, sid)
+    done: dict[str, object] = {}
+    import threading
+    t = threading.Thread(target=lambda: done.update(rb=_try(lambda: c.rollback(sid, r1["checkpoint"]))))
+    t.start()
+    wait_until(lambda: _chaos_hits(d.log, "rollback_restored") >= 1, "the rollback at the kill point", 120)
+    d.kill9()
+    t.join(30)
+    d.env = None
+    d.start()
+    c = d.client()
+    wait_until(lambda: c.sandbox(sid)["status"] == "running" or None, "the sandbox running again", 120)
+    state = {r1["checkpoint"]: "one\nalive\n", r3["checkpoint"]: "one\ntwo\nthree\n"}
+    check = "cat /w/a /w/b /w/c 2>/dev/null; kill -0 $(cat /w/pid) 2>/dev/null && echo alive"
+    head = c.sandbox(sid)["head"]
+    assert head == r3["checkpoint"], head  # recovered to its head's line (the rollback never replied)
+    after = c.exec(sid, check)
+    assert after["stdout"] == state[head], (head, after, [e["kind"] for e in c.events(sandbox=sid)][-8:])
+    # ... and the checkpoint of that turn is the same state: roll back to it
+    c.exec(sid, "echo four > /w/d")
+    _settled(c, sid)
+    c.rollback(sid, after["checkpoint"])
+    assert c.exec(sid, check)["stdout"] == state[head]
+    assert c.rollback(sid, r1["checkpoint"])["restored"].startswith("fs+proc")
+    assert c.exec(sid, check)["stdout"] == state[r1["checkpoint"]]
+    c.delete_sandbox(sid)
+
+
+def _try(fn):
+    try:
+        return fn()
+    except FailedPrecondition as e:  # the daemon was killed under the request
+        return e
