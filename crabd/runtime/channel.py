@@ -43,7 +43,6 @@ Why it is as safe as runc exec (the design questions of the issue):
 
 from __future__ import annotations
 
-import fcntl
 import os
 import selectors
 import socket
@@ -54,7 +53,7 @@ from typing import Callable, Sequence
 
 from deltacr.netns import in_netns
 
-from ..runner import Captured, CappedOutput
+from ..runner import Captured, CappedOutput, read_ready
 
 __all__ = ["NAME", "Unavailable", "find_init", "connect", "run"]
 
@@ -64,12 +63,6 @@ CONNECT_TIMEOUT = 2.0
 LISTEN_WAIT = 1.0           # how long a just-started init with the channel may take to listen
 KILL_GRACE = 5.0            # after "K": how long to wait for the init's report
 DRAIN_AFTER_EXIT = 0.05     # as runner.SubprocessRunner: output in flight after the status
-# The output pipes' capacity (F_SETPIPE_SZ; Linux's default is 64 KiB) and
-# the most one read takes. A command that prints 1 MiB then writes it
-# without waiting for crabd's reader thread (which, under load, waits for
-# the GIL) sixteen times over, and crabd reads it in a few reads instead of
-# sixteen wake-ups. 0: leave the kernel's default.
-OUTPUT_PIPE_BYTES = 1 << 20
 
 
 class Unavailable(Exception):
@@ -158,24 +151,6 @@ def request(argv: Sequence[str], env: Sequence[str], cwd: str) -> bytes:
     return struct.pack("<I", len(body)) + body
 
 
-def _widen(fd: int) -> None:
-    """Give pipe `fd` OUTPUT_PIPE_BYTES of capacity, if the kernel lets us
-    (root may exceed /proc/sys/fs/pipe-max-size; a failure keeps the default)."""
-    if OUTPUT_PIPE_BYTES:
-        try:
-            fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, OUTPUT_PIPE_BYTES)
-        except OSError:
-            pass
-
-
-def _read_ready(fd: int) -> bytes | None:
-    """As runner.read_ready, up to a whole (widened) pipe at once."""
-    try:
-        return os.read(fd, max(OUTPUT_PIPE_BYTES, 65536))
-    except BlockingIOError:
-        return None
-
-
 def run(s: socket.socket, argv: Sequence[str], env: Sequence[str], cwd: str, *, stdin: bytes,
         timeout: float | None, cap: int) -> Captured:
     """Run one command over the connection `s` (from `connect`, consumed).
@@ -186,8 +161,6 @@ def run(s: socket.socket, argv: Sequence[str], env: Sequence[str], cwd: str, *, 
     in_r, in_w = os.pipe2(os.O_CLOEXEC)
     out_r, out_w = os.pipe2(os.O_CLOEXEC)
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
-    for fd in (out_r, err_r):
-        _widen(fd)
     try:
         data = request(argv, env, cwd)
         try:
@@ -308,7 +281,7 @@ def _follow_loop(s: socket.socket, in_w: int, close_stdin: Callable[[], None], o
                         final = text
                 lines.clear()
                 continue
-            got = _read_ready(out_r if key.data == "out" else err_r)
+            got = read_ready(out_r if key.data == "out" else err_r)
             if got is None:
                 continue
             if not got:

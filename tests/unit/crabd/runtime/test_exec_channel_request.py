@@ -46,39 +46,3 @@ def test_setting_is_on_by_default(monkeypatch):
 
 def test_this_process_is_no_sandbox_init():
     assert not channel.is_sandbox_init(os.getpid(), "/crabd/sb-0123456789")
-
-
-def _fake_init(sock, report):
-    """The init's side of one request (init.c mode 3, reduced): take the
-    command's pipe ends, write 1 MiB of output before saying it started
-    (nobody reads it yet), close, report exit 0."""
-    import fcntl
-    import socket
-    _, fds, _, _ = socket.recv_fds(sock, 1 << 16, 3)
-    in_r, out_w, err_w = fds
-    report["pipe"] = fcntl.fcntl(out_w, fcntl.F_GETPIPE_SZ)
-    os.set_blocking(out_w, False)
-    try:
-        report["written"] = os.write(out_w, b"x" * (1 << 20))
-    except BlockingIOError:
-        report["written"] = 0
-    for fd in fds:
-        os.close(fd)
-    sock.sendall(b"P 42\nX 0\n")
-    sock.close()
-
-
-def test_output_pipes_hold_a_mib_so_the_command_need_not_wait_for_crabd():
-    """The output pipes are widened to OUTPUT_PIPE_BYTES: a command that
-    prints 1 MiB writes it in one go (with Linux's 64 KiB default it would
-    wait on crabd's reader 16 times), and crabd reads all of it."""
-    import socket
-    import threading
-    a, b = socket.socketpair()
-    report: dict[str, int] = {}
-    t = threading.Thread(target=_fake_init, args=(b, report))
-    t.start()
-    cap = channel.run(a, ["sh"], [], "/", stdin=b"", timeout=30, cap=2 << 20)
-    t.join(10)
-    assert report == {"pipe": 1 << 20, "written": 1 << 20}
-    assert cap.status == "X 0" and cap.stdout == b"x" * (1 << 20) and cap.stderr == b""
