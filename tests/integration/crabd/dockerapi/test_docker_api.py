@@ -382,3 +382,30 @@ def test_cli_kill_detached_exec_entrypoint_limits_and_big_output(dk):
     assert img["RepoTags"] == ["busybox:latest"] and img["Id"].startswith("sha256:")
     docker("rm", "-f", "lim", check=True)
     assert c.sandboxes() == [] and _leaks(dk, [sid]) == []
+
+
+def test_pull_imports_from_the_local_docker_engine(start_daemon, plain_dockerd, runtime, busybox_image):
+    """An image crabd lacks but the local Docker engine has is imported by
+    `docker pull` (then runs as a crabd image); one neither has is a 404
+    that names the fix."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DOCKER_")}
+    engine = [DOCKER, "-H", f"unix://{plain_dockerd}"]
+    if subprocess.run([*engine, "image", "inspect", "crabd-pull-test"], capture_output=True, timeout=60).returncode:
+        tar = subprocess.run(["tar", "-C", str(runtime.images.get(busybox_image).path), "-c", "."],
+                             capture_output=True, timeout=120, check=True).stdout
+        subprocess.run([*engine, "import", "-", "crabd-pull-test"], input=tar, capture_output=True, timeout=120,
+                       check=True, env=env)
+    d = start_daemon(env={"CRABD_INSPECTOR": "proc", "DOCKER_HOST": f"unix://{plain_dockerd}"})
+
+    def docker(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([DOCKER, "-H", f"unix://{d.state / 'docker.sock'}", *args], capture_output=True,
+                              timeout=300, env=env)
+    assert "crabd-pull-test" not in _out(docker("images", "--format", "{{.Repository}}"))
+    r = docker("pull", "crabd-pull-test")
+    assert r.returncode == 0 and b"from the local Docker engine as crabd image crabd-pull-test" in r.stdout, r
+    assert "crabd-pull-test" in _out(docker("images", "--format", "{{.Repository}}"))
+    r = docker("run", "--rm", "crabd-pull-test", "sh", "-c", "echo from-the-engine")
+    assert r.returncode == 0 and _out(r) == "from-the-engine\n", r
+    r = docker("pull", "crabd-nowhere-image")
+    assert r.returncode != 0 and b"could not import" in r.stderr and b"crabd image import docker://" in r.stderr, r
+    assert d.client().sandboxes() == []
