@@ -145,6 +145,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     rounds, lifecycle = (5, 2) if a.quick else (30, 6)
+    load_before = os.getloadavg()  # the host is shared: each result says its load
 
     import docker as docker_sdk
 
@@ -229,7 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     out["setup"] = {"rounds": rounds, "lifecycle_rounds": lifecycle,
                     "inspector": "proc" if a.proc_inspector else "bpf", "cpus": os.cpu_count(),
                     "command": "python -m bench.docker" + (" --quick" if a.quick else "") +
-                               (" --proc-inspector" if a.proc_inspector else "")}
+                               (" --proc-inspector" if a.proc_inspector else ""),
+                    "load_avg": {"before": [round(x, 2) for x in load_before],
+                                 "after": [round(x, 2) for x in os.getloadavg()]}}
     if a.json:
         print(json.dumps(out, indent=2))
         return 0

@@ -25,8 +25,12 @@ Measured per run, on a fresh page load each (the median of --runs):
 * `longest_task_ms`: the longest main-thread task the browser reported
   (PerformanceObserver `longtask`, tasks over 50 ms; 0 when none) over both
   loads and the scrolling: how long the page froze.
+`sandbox_requests` / `sandbox_api_requests`: the requests of that fresh
+load of the sandbox view (all, and those to /v1/) until it is drawn and
+its event stream open; `sandbox_request_paths` names them (last run).
 Also the API's own times for the biggest replies (`/v1/host`, the big
-sandbox's tree and its newest 200 events, which the page reads; its full
+sandbox's view, which the page reads; its tree and its newest 200 events,
+which the view holds; its full
 checkpoint list and newest 1,000 events, which it read before) and their
 sizes. `--quick`: one run. Needs root and chromium. The host's load average
 (1 min) is recorded before and after: the machine is shared.
@@ -146,9 +150,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         loop.run_until_complete(fwd.start())
         threading.Thread(target=loop.run_forever, daemon=True).start()
         c = d.client()
-        api: dict[str, list[float]] = {k: [] for k in ("host", "tree", "checkpoints", "turns", "turns_1000")}
+        api: dict[str, list[float]] = {k: [] for k in ("host", "view", "tree", "checkpoints", "turns", "turns_1000")}
         size: dict[str, int] = {}
-        paths = {"host": "/v1/host", "tree": f"/v1/sandboxes/{big}/tree",
+        paths = {"host": "/v1/host", "view": f"/v1/sandboxes/{big}/view?turns=200",   # what the page reads
+                 "tree": f"/v1/sandboxes/{big}/tree",
                  "checkpoints": f"/v1/sandboxes/{big}/checkpoints?all=true",
                  "turns": f"/v1/events?follow=false&sandbox={big}&latest=200",       # what the page reads
                  "turns_1000": f"/v1/events?follow=false&sandbox={big}&latest=1000"}  # what it read before
@@ -160,11 +165,13 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 api[k].append((time.monotonic() - t) * 1000)
                 assert r.status_code == 200, r.text
                 size[k] = len(r.content)
-                counted[k] = len(r.json()[{"host": "sandboxes", "tree": "checkpoints",
-                                           "checkpoints": "checkpoints"}.get(k, "events")])
-        assert (counted["host"], counted["tree"], counted["checkpoints"]) == \
-            (a.sandboxes, a.big_turns + 1, a.big_turns + 1), counted
+                body = r.json()
+                counted[k] = len(body["tree"]["checkpoints"] if k == "view" else
+                                 body[{"host": "sandboxes", "tree": "checkpoints", "checkpoints": "checkpoints"}.get(k, "events")])
+        assert (counted["host"], counted["view"], counted["tree"], counted["checkpoints"]) == \
+            (a.sandboxes, a.big_turns + 1, a.big_turns + 1, a.big_turns + 1), counted
         runs: list[dict[str, float]] = []
+        paths_seen: list[str] = []
         base = fwd.url.split("/ui/login")[0]
         with sync_playwright() as pw:
             b = pw.chromium.launch(executable_path=exe, args=["--no-sandbox"])
@@ -180,8 +187,14 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 rows = pg.locator("#host-table tbody tr").count()
                 tasks = pg.evaluate("window.__longtasks")
                 pg.goto(f"{base}/ui/#/sb/{big}")
+                pg.wait_for_function("performance.getEntriesByName('crabd:sandbox-rendered').length > 0")
+                reqs: list[str] = []
+                pg.on("request", lambda r: reqs.append(r.url.split("//", 1)[1].split("/", 1)[1]))
                 pg.reload()   # a fresh load of the sandbox view itself
                 pg.wait_for_function("performance.getEntriesByName('crabd:sandbox-rendered').length > 0")
+                # Its requests: those until the view is drawn and the event stream open.
+                pg.wait_for_function("document.getElementById('live').textContent === 'live'")
+                api_reqs = [u.split("?")[0] for u in reqs if u.startswith("v1/")]
                 sb_ms = pg.evaluate("performance.getEntriesByName('crabd:sandbox-rendered')[0].startTime")
                 sb_data = pg.evaluate("performance.getEntriesByName('crabd:sandbox-data')[0].startTime")
                 tree_rows = pg.locator("#sb-tree tr[data-checkpoint]").count()
@@ -195,7 +208,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                              "sandbox_ms": sb_ms, "sandbox_data_ms": sb_data, "sandbox_render_ms": sb_ms - sb_data,
                              "tree_jump_ms": jump, "tree_scroll_step_max_ms": step,
                              "longest_task_ms": max(tasks) if tasks else 0.0, "host_rows": rows,
-                             "tree_rows_drawn": tree_rows, "tree_rows_total": total})
+                             "tree_rows_drawn": tree_rows, "tree_rows_total": total,
+                             "sandbox_requests": len(reqs), "sandbox_api_requests": len(api_reqs)})
+                paths_seen = [u.split("?")[0] for u in reqs]
                 ctx.close()
             b.close()
     finally:
@@ -211,7 +226,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "load_avg": {"before": [round(x, 2) for x in load_before],
                          "after": [round(x, 2) for x in os.getloadavg()]},
             "api_ms": {k: round(median(list(v)), 1) for k, v in api.items()}, "api_bytes": size, "api_items": counted,
-            "median": med, "runs": runs,
+            "median": med, "runs": runs, "sandbox_request_paths": paths_seen,
             "within_1s": med["host_ms"] < 1000 and med["sandbox_ms"] < 1000}
 
 

@@ -322,11 +322,7 @@ class DockerEngine:
     @staticmethod
     def frames(c: Container | None, parts: list[tuple[int, str]], tty: bool | None = None) -> bytes:
         raw = tty if tty is not None else bool(c and c.config.get("Tty"))
-        out = bytearray()
-        for s, text in parts:
-            data = text.encode()
-            out += data if raw else shapes.frame(s, data)
-        return bytes(out)
+        return b"".join(text.encode() if raw else shapes.frame(s, text.encode()) for s, text in parts)
 
 
 async def serve_docker(daemon: Any, path: Path) -> tuple[asyncio.AbstractServer, DockerEngine]:

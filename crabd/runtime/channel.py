@@ -53,7 +53,7 @@ from typing import Callable, Sequence
 
 from deltacr.netns import in_netns
 
-from ..runner import Captured, CappedOutput, read_ready
+from ..runner import Captured, CappedOutput, drain_now, read_ready
 
 __all__ = ["NAME", "Unavailable", "find_init", "connect", "run"]
 
@@ -225,6 +225,7 @@ def _follow_loop(s: socket.socket, in_w: int, close_stdin: Callable[[], None], o
     while True:
         now = time.monotonic()
         if final is not None and done_at is None:
+            drain_now(sel, output)   # all the command wrote is in the pipes now
             done_at = now
         if done_at is not None and (now - done_at > DRAIN_AFTER_EXIT or
                                     not any(k.data in ("out", "err") for k in sel.get_map().values())):

@@ -173,22 +173,25 @@ function renderEvents() {
 // ---- sandbox view -------------------------------------------------------------------------
 async function loadSandbox(id) {
   const enc = encodeURIComponent(id);
-  // All at once. The tree comes compact (arrays, GET /v1/sandboxes/{id}/tree,
-  // with the forks made from it); the time line is the turn.ended events
-  // among the sandbox's newest TURN_LOAD events, older ones on demand.
-  const [info, tree, budget, effects, evs] = await Promise.all([
-    api('GET', `/v1/sandboxes/${enc}`), api('GET', `/v1/sandboxes/${enc}/tree`),
-    api('GET', `/v1/sandboxes/${enc}/budget`), api('GET', `/v1/sandboxes/${enc}/effects?lineage=true`),
-    api('GET', `/v1/events?follow=false&sandbox=${enc}&latest=${TURN_LOAD}`)]);
+  // One request (GET /v1/sandboxes/{id}/view): the sandbox, its tree
+  // (compact arrays, with the forks made from it), budget, effects and the
+  // time line: the turn.ended events among the sandbox's newest TURN_LOAD
+  // events, older ones on demand. Its `recent` events are the event
+  // stream's backlog on a first load.
+  const v = await api('GET', `/v1/sandboxes/${enc}/view?turns=${TURN_LOAD}`);
   performance.mark('crabd:sandbox-data');
-  const f = tree.fields;
+  if (!state.lastSeq && v.recent.last_seq) {
+    for (const e of v.recent.events) onEvent(e, true);
+    state.lastSeq = v.recent.last_seq;
+  }
+  const tree = v.tree, f = tree.fields, evs = v.events;
   const checkpoints = tree.checkpoints.map((r) => {
     const c = {};
     for (let i = 0; i < f.length; i++) c[f[i]] = r[i];
     c.durations = { pause: c.pause };
     return c;
   });
-  return { id, info, checkpoints, budget, effects: effects.effects, forks: tree.forks,
+  return { id, info: v.info, checkpoints, budget: v.budget, effects: v.effects, forks: tree.forks,
            turns: evs.events.filter((e) => e.kind === 'turn.ended'),
            olderBefore: evs.more && evs.events.length ? evs.events[0].seq : null };
 }

@@ -82,6 +82,10 @@ def test_owners_cannot_see_or_touch_each_others_sandboxes(live: Any) -> None:
         ("DELETE", f"/v1/checkpoints/{ck}", None),
         ("GET", f"/v1/sandboxes/{sid}/effects", None),
         ("GET", f"/v1/sandboxes/{sid}/budget", None),
+        # the operator view's reads (crabd.ui)
+        ("GET", f"/v1/sandboxes/{sid}/view", None),
+        ("GET", f"/v1/sandboxes/{sid}/tree", None),
+        ("GET", f"/v1/sandboxes/{sid}/rollback/preview?checkpoint={ck}", None),
         ("DELETE", f"/v1/sandboxes/{sid}", None),
         # bob's own sandbox rolled back to alice's checkpoint: not a 409 that names her sandbox
         ("POST", f"/v1/sandboxes/{b['id']}/rollback", {"checkpoint": ck}),

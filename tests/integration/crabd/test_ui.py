@@ -272,3 +272,33 @@ def test_hostile_command_file_and_effect_show_as_text(live, forwarder, page) -> 
     assert page.locator("script").count() == 1 and page.locator("main img").count() == 0
     page.screenshot(path=str(SHOTS / "hostile.png"), full_page=True)
     not_injected(page)
+
+
+def test_sandbox_view_loads_with_one_request(live, forwarder, page) -> None:
+    """A fresh load of the sandbox view asks the API once for what it draws
+    (GET /v1/sandboxes/{sid}/view), then opens the event stream; its events
+    list is filled from that reply (no separate backlog request), and an
+    event after the load still refreshes the view."""
+    d, base = live
+    api = admin(base)
+    sid = api.ok("POST", "/v1/sandboxes", json={"image": "busybox", "name": "ui-one"})["id"]
+    api.ok("POST", f"/v1/sandboxes/{sid}/exec", json={"cmd": "echo one > /root/one"})
+    settled(api, sid)
+    page.goto(forwarder)
+    page.wait_for_selector(f"#host-table tr[data-sandbox='{sid}']")
+    page.goto(forwarder.split("/ui/login")[0] + f"/ui/#/sb/{sid}")
+    page.wait_for_selector("#sb-turns tbody tr")
+    seen: list[str] = []
+    page.on("request", lambda r: seen.append(r.url.split("//", 1)[1].split("/", 1)[1]))
+    page.reload()   # a fresh load of the sandbox view itself
+    page.wait_for_selector("#sb-turns tbody tr")
+    page.wait_for_selector("#live:text('live')")
+    page.wait_for_selector(f"#events li:has-text('turn.ended {sid}')")
+    calls = [u for u in seen if u.startswith("v1/")]
+    # (a refresh an unrelated event queues may add more views; never another kind of request)
+    assert [u.split("?")[0] for u in calls[:2]] == [f"v1/sandboxes/{sid}/view", "v1/events"], calls
+    assert "follow=true" in calls[1] and all(u.startswith(f"v1/sandboxes/{sid}/view") for u in calls[2:]), calls
+    assert "echo one > /root/one" in page.inner_text("#sb-turns")
+    api.ok("POST", f"/v1/sandboxes/{sid}/exec", json={"cmd": "echo two > /root/two"})
+    page.wait_for_selector("#sb-turns tbody tr:has-text('echo two')")
+    api.ok("DELETE", f"/v1/sandboxes/{sid}")

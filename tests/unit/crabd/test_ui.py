@@ -195,3 +195,28 @@ def test_sandbox_tree_is_one_array_per_checkpoint_with_its_forks(tmp_path: Any) 
                        "state": "committed", "bytes": 10, "pause": 0.01, "kept": ["head"], "reasons": ["r"]}
     assert out["forks"] == [{"id": "sb-f", "name": "f", "forked_from": "sb-a-0"}]
     st.close()
+
+
+def test_sandbox_view_is_the_first_paint_in_one_reply(tmp_path: Any) -> None:
+    """GET /v1/sandboxes/{sid}/view's data: the sandbox's newest `turns`
+    events oldest first (with `more`), and the events the owner may see
+    with the seq the page's stream starts from: another owner's never."""
+    from types import SimpleNamespace as NS
+
+    from crabd.ui import sandbox_view
+    st = Store(tmp_path)
+    st.add_sandbox(SandboxRow(id="sb-a", name="a", image="busybox", fs_key="k", lineage="sb-a", owner="alice"))
+    st.add_sandbox(SandboxRow(id="sb-b", name="b", image="busybox", fs_key="k2", lineage="sb-b", owner="bob"))
+    for i in range(5):
+        st.add_event("turn.ended", "sb-a", turn=i)
+    st.add_event("turn.ended", "sb-b", turn=0)   # bob's, the newest of the host
+    daemon = NS(store=st, _own=lambda row, owner: row, list_checkpoints=lambda sid, owner, all_states: [],
+                sandbox_info=lambda sid, owner: {"id": sid},
+                ledger=NS(budget=lambda lin: {"limits": {}, "used": {}}, list=lambda lin: [{"op": "mail.send"}]))
+    out = sandbox_view(daemon, "sb-a", "alice", 3)  # type: ignore[arg-type]
+    assert [e["data"]["turn"] for e in out["events"]["events"]] == [2, 3, 4] and out["events"]["more"] is True
+    recent = out["recent"]["events"]
+    assert [e["sandbox_id"] for e in recent] == ["sb-a"] * 5
+    assert out["recent"]["last_seq"] == recent[-1]["seq"]
+    assert out["info"] == {"id": "sb-a"} and out["effects"] == [{"op": "mail.send"}] and out["tree"]["sandbox"] == "sb-a"
+    st.close()

@@ -335,3 +335,77 @@ def test_run_as_fork_of_a_checkpoint(dk):
     sids = [c.sandbox("src")["id"], c.sandbox("branch")["id"]]
     docker("rm", "-f", "src", "branch", check=True)
     assert c.sandboxes() == [] and _leaks(dk, sids) == []
+
+
+def _cgroup_value(sid: str, controller: str, name: str) -> str:
+    hits = list(Path("/sys/fs/cgroup", controller).glob(f"**/{sid}/{name}"))
+    assert len(hits) == 1, (controller, name, hits)
+    return hits[0].read_text().strip()
+
+
+def test_cli_kill_detached_exec_entrypoint_limits_and_big_output(dk):
+    """What the other tests leave out, through the real CLI: HostConfig limits
+    land in the sandbox's cgroups; `docker exec -d` runs as a turn in the
+    background; `docker kill` (and a signal crabd refuses); `--entrypoint`;
+    `docker image inspect`; an output over crabd's 1 MiB per stream is cut
+    with its marker, not lost silently."""
+    docker = dk.docker
+    c = dk.client()
+    docker("run", "-d", "--name", "lim", "--memory", "96m", "--pids-limit", "64", "--cpus", "0.5",
+           "busybox", "sleep", "1000", check=True)
+    sid = c.sandbox("lim")["id"]
+    assert int(_cgroup_value(sid, "memory", "memory.limit_in_bytes")) == 96 << 20
+    assert _cgroup_value(sid, "pids", "pids.max") == "64"
+    quota = int(_cgroup_value(sid, "cpu", "cpu.cfs_quota_us"))
+    assert quota == int(_cgroup_value(sid, "cpu", "cpu.cfs_period_us")) // 2
+
+    turn = c.sandbox("lim")["turn"]
+    r = docker("exec", "-d", "lim", "sh", "-c", "sleep 1; echo late > /late")
+    assert r.returncode == 0 and _out(r) == "", r
+    # The next exec waits for the detached one (one turn at a time per sandbox).
+    assert _out(docker("exec", "lim", "cat", "/late", check=True)) == "late\n"
+    assert c.sandbox("lim")["turn"] == turn + 2
+
+    big = docker("exec", "lim", "sh", "-c", "head -c 1100000 /dev/zero | tr '\\0' y", check=True).stdout
+    assert big.startswith(b"y" * (1 << 20)) and b"[crabd: output truncated: 51424 more bytes not shown]" in big, big[-200:]
+
+    r = docker("kill", "-s", "USR1", "lim")
+    assert r.returncode != 0 and b"USR1" in r.stderr, r.stderr
+    docker("kill", "lim", check=True)
+    assert _out(docker("ps", "-a", "--filter", "name=lim", "--format", "{{.Status}}", check=True)).startswith("Exited (137)")
+    docker("start", "lim", check=True)
+    assert _out(docker("exec", "lim", "cat", "/late", check=True)) == "late\n"
+
+    r = docker("run", "--rm", "--entrypoint", "sh", "busybox", "-c", "echo ep $0; exit 5")
+    assert r.returncode == 5 and _out(r) == "ep sh\n", r
+    img = __import__("json").loads(_out(docker("image", "inspect", "busybox", check=True)))[0]
+    assert img["RepoTags"] == ["busybox:latest"] and img["Id"].startswith("sha256:")
+    docker("rm", "-f", "lim", check=True)
+    assert c.sandboxes() == [] and _leaks(dk, [sid]) == []
+
+
+def test_pull_imports_from_the_local_docker_engine(start_daemon, plain_dockerd, runtime, busybox_image):
+    """An image crabd lacks but the local Docker engine has is imported by
+    `docker pull` (then runs as a crabd image); one neither has is a 404
+    that names the fix."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DOCKER_")}
+    engine = [DOCKER, "-H", f"unix://{plain_dockerd}"]
+    if subprocess.run([*engine, "image", "inspect", "crabd-pull-test"], capture_output=True, timeout=60).returncode:
+        tar = subprocess.run(["tar", "-C", str(runtime.images.get(busybox_image).path), "-c", "."],
+                             capture_output=True, timeout=120, check=True).stdout
+        subprocess.run([*engine, "import", "-", "crabd-pull-test"], input=tar, capture_output=True, timeout=120,
+                       check=True, env=env)
+    d = start_daemon(env={"CRABD_INSPECTOR": "proc", "DOCKER_HOST": f"unix://{plain_dockerd}"})
+
+    def docker(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([DOCKER, "-H", f"unix://{d.state / 'docker.sock'}", *args], capture_output=True,
+                              timeout=300, env=env)
+    assert "crabd-pull-test" not in _out(docker("images", "--format", "{{.Repository}}"))
+    r = docker("pull", "crabd-pull-test")
+    assert r.returncode == 0 and b"from the local Docker engine as crabd image crabd-pull-test" in r.stdout, r
+    assert "crabd-pull-test" in _out(docker("images", "--format", "{{.Repository}}"))
+    r = docker("run", "--rm", "crabd-pull-test", "sh", "-c", "echo from-the-engine")
+    assert r.returncode == 0 and _out(r) == "from-the-engine\n", r
+    r = docker("pull", "crabd-nowhere-image")
+    assert r.returncode != 0 and b"could not import" in r.stderr and b"crabd image import docker://" in r.stderr, r
+    assert d.client().sandboxes() == []

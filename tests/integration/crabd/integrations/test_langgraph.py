@@ -135,7 +135,7 @@ def daemon(runtime, busybox_image):
             cleanup_state_dir(st)
 
 
-def test_conformance_subset_against_the_daemon(daemon):
+def test_conformance_suite_against_the_daemon(daemon):
     from langgraph.checkpoint.conformance import checkpointer_test, validate
     c = daemon.client()
     before = {s["id"] for s in c.sandboxes()}

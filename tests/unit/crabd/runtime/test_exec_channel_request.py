@@ -46,3 +46,43 @@ def test_setting_is_on_by_default(monkeypatch):
 
 def test_this_process_is_no_sandbox_init():
     assert not channel.is_sandbox_init(os.getpid(), "/crabd/sb-0123456789")
+
+
+def _fake_init(sock):
+    """The init's side of one request (init.c mode 3, reduced): the command
+    writes 1 MiB (its pipe widened to hold it all) and exits; then the
+    init reports its start and exit 0."""
+    import fcntl
+    import socket
+    _, fds, _, _ = socket.recv_fds(sock, 1 << 16, 3)
+    in_r, out_w, err_w = fds
+    fcntl.fcntl(out_w, fcntl.F_SETPIPE_SZ, 1 << 20)
+    os.write(out_w, b"x" * (1 << 20))
+    for fd in fds:
+        os.close(fd)
+    sock.sendall(b"P 42\nX 0\n")
+    sock.close()
+
+
+def test_all_output_in_the_pipes_at_the_exit_report_is_read(monkeypatch):
+    """What the command wrote before the init reported its exit is all read,
+    even when crabd's reader comes back after the drain window (slow reads,
+    window 0: a thread descheduled on a loaded host)."""
+    import socket
+    import threading
+    import time
+
+    from crabd import runner
+    fast = runner.read_ready
+
+    def slow(fd):
+        time.sleep(0.02)
+        return fast(fd)
+    monkeypatch.setattr(channel, "read_ready", slow)
+    monkeypatch.setattr(channel, "DRAIN_AFTER_EXIT", 0.0)
+    a, b = socket.socketpair()
+    t = threading.Thread(target=_fake_init, args=(b,))
+    t.start()
+    cap = channel.run(a, ["sh"], [], "/", stdin=b"", timeout=30, cap=2 << 20)
+    t.join(10)
+    assert cap.status == "X 0" and len(cap.stdout) == 1 << 20 and cap.stdout_dropped == 0
