@@ -159,7 +159,7 @@ async def _frozen_move(daemon: Any, row: Any, t: Any, reference: str, target: An
             "push": {k: pushed[k] for k in ("blobs_pushed", "blobs_skipped", "bytes_pushed", "bytes_total")},
             "downtime_ms": _ms(downtime), "phases_ms": {k: _ms(v) for k, v in phases.items()},
             "pull": {k: pulled.get(k) for k in ("fs_layers_imported", "fs_layers_reused", "packs_pulled")},
-            "pull_timing_ms": pulled.get("timing_ms", {})}
+            "push_timing_ms": pushed.get("timing_ms", {}), "pull_timing_ms": pulled.get("timing_ms", {})}
 
 
 def _stop_frozen(daemon: Any, sid: str, freezer: Freezer) -> None:
