@@ -90,6 +90,8 @@ def _migrations(a: DaemonHandle, b: DaemonHandle, host: str, n: int) -> dict[str
             phases.setdefault(k, []).append(v)
         for k, v in r["pull_timing_ms"].items():
             phases.setdefault(f"pull.{k}", []).append(v)
+        for k, v in r.get("capture_timing_ms", {}).items():
+            phases.setdefault(f"capture.{k}", []).append(v)
         for k, v in r.get("push_timing_ms", {}).items():
             phases.setdefault(f"push.{k}", []).append(v)
         if r["restored"] != "fs+proc" or r["status"] != "running":

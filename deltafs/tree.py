@@ -299,9 +299,9 @@ def diff_paths(old: dict[bytes, Entry], root: str | bytes, candidates: Iterable[
                 old_part[p] = eo
             if en is not None:
                 new_part[p] = en
-            for e in (eo, en):
-                if e is not None and e.kind != "dir" and e.nlink > 1:
-                    stack.extend(links.get(e.ino, ()))
+            for side in (eo, en):
+                if side is not None and side.kind != "dir" and side.nlink > 1:
+                    stack.extend(links.get(side.ino, ()))
             if en is not None and en.kind == "dir" and (eo is None or eo.kind != "dir" or eo.ino != en.ino):
                 fd = open_rel(root_fd, p)
                 try:

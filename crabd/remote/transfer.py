@@ -16,6 +16,12 @@ the CRIU image's chunk index) and whose `layers` are
 * the CRIU image's chunks (deltacr's zstandard frames, de-duplicated by
   blake3), packed into blobs of at most PACK_BYTES.
 
+A layer is the diff of its snapshot against the one below (`layer_diff`):
+the lower one's tree is kept from its own push or scan (a migration's
+pre-copy scans it while the sandbox runs), and the new one is looked at only
+where the snapshot store says it may differ (btrfs: the paths `btrfs send
+--no-data` names; `Snapshotter.diff_from`), not scanned whole.
+
 Incremental both ways. Push: a snapshot's layer digest is remembered per
 snapshot (committed snapshots never change) and a chunk's pack per chunk
 key, so pushing turn N after N-1 writes only N's layer and the packs of

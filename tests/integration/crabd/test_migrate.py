@@ -67,38 +67,6 @@ def _in_thread(fn: Any) -> tuple[threading.Thread, dict[str, Any]]:
     return t, res
 
 
-def test_migrate_keeps_memory_and_listening_socket_and_stops_the_source(start_daemon, registry):
-    a, b = start_daemon(), start_daemon()
-    ca, cb = a.client(), b.client()
-    sid, before = _server_sandbox(ca)
-    out = subprocess.run([CRABD, "sandbox", "migrate", sid, "--to", f"{registry.host}/crabd/mig:1",
-                          "--target-socket", str(b.socket), "--socket", str(a.socket), "--json"],
-                         capture_output=True, timeout=600)
-    assert out.returncode == 0, out.stderr
-    r = json.loads(out.stdout)
-    assert r["status"] == "running" and r["restored"] == "fs+proc", r
-    assert isinstance(r["downtime_ms"], (int, float)) and set(r["phases_ms"]) >= {"freeze", "capture", "push", "pull"}, r
-    # The target prefetched the chain while the source ran: after the freeze
-    # it imported only the migration checkpoint's layer.
-    assert r["prefetch"]["fs_layers_imported"] >= 2, r
-    assert r["pull"]["fs_layers_imported"] == 1 and r["pull"]["fs_layers_reused"] >= 2, r
-    # Pre-copy sent the chain; the frozen push only the delta.
-    assert r["precopy"]["blobs_pushed"] >= 3 and r["push"]["blobs_skipped"] >= 2, r
-    assert r["push"]["bytes_pushed"] < r["precopy"]["bytes_pushed"], r
-    # Exactly one host runs it: B, under its name; A has nothing left.
-    assert ca.sandboxes() == []
-    (sb,) = cb.sandboxes()
-    assert sb["id"] == r["target_sandbox"] and sb["name"] == "mover" and sb["status"] == "running", sb
-    nid = r["target_sandbox"]
-    after = _serving(cb, nid)
-    assert after > before, (before, after)  # went on from its memory (a new process starts at 1)
-    assert cb.exec(nid, "cat /data/f")["stdout"] == "kept\n"
-    # It goes on taking turns on B.
-    r2 = cb.exec(nid, "echo more >> /data/f")
-    settled_checkpoint(cb, r2["checkpoint"])
-    assert cb.exec(nid, "cat /data/f")["stdout"] == "kept\nmore\n"
-
-
 def _kill_mid_migration(ca: Any, sid: str, ref: str, target: Any, victim: Any, point: str) -> None:
     """Migrate in a thread, SIGKILL `victim` at chaos point `point`, restart
     it without chaos; the migration call fails."""
@@ -120,7 +88,15 @@ def _runs_on_the_source_only(ca: Any, cb: Any, sid: str, before: int) -> None:
     assert cb.sandboxes() == []
 
 
-def test_target_killed_mid_migration_the_source_keeps_running(start_daemon, registry):
+def _migrate_cli(a: Any, b: Any, sid: str, ref: str) -> dict[str, Any]:
+    out = subprocess.run([CRABD, "sandbox", "migrate", sid, "--to", ref, "--target-socket", str(b.socket),
+                          "--socket", str(a.socket), "--json"], capture_output=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    r: dict[str, Any] = json.loads(out.stdout)
+    return r
+
+
+def test_target_killed_mid_migration_then_a_migration_keeps_memory_and_listening_socket(start_daemon, registry):
     # Killed in the pull after the freeze: the delta imported, the sandbox not yet started.
     a, b = start_daemon(), start_daemon(env={"CRABD_CHAOS": "remote_restore", **CHAOS})
     ca, cb = a.client(), b.client()
@@ -128,12 +104,32 @@ def test_target_killed_mid_migration_the_source_keeps_running(start_daemon, regi
     _kill_mid_migration(ca, sid, f"{registry.host}/crabd/mig:2", b, b, "remote_restore")
     _runs_on_the_source_only(ca, cb, sid, before)
     assert not any((b.state / "remote" / "tmp").glob("*"))
-    # A second migration goes through; its prefetch imports the whole chain
-    # again (nothing of the half-imported one was kept).
-    r = ca.migrate_sandbox(sid, f"{registry.host}/crabd/mig:2", b.socket)
-    assert r["prefetch"]["fs_layers_reused"] == 0 and r["status"] == "running", r
-    assert ca.sandboxes() == [] and [s["id"] for s in cb.sandboxes()] == [r["target_sandbox"]]
-    assert _serving(cb, r["target_sandbox"]) > before
+    # A second migration (the CLI, to a repository that has nothing yet)
+    # goes through; its prefetch imports the whole chain again (nothing of
+    # the half-imported one was kept).
+    r = _migrate_cli(a, b, sid, f"{registry.host}/crabd/mig-again:1")
+    assert r["status"] == "running" and r["restored"] == "fs+proc", r
+    assert isinstance(r["downtime_ms"], (int, float)) and set(r["phases_ms"]) >= {"freeze", "capture", "push", "pull"}, r
+    assert set(r["push_timing_ms"]) >= {"verify", "fs_diff", "fs_layer", "proc", "manifest"}, r
+    # The target prefetched the chain while the source ran: after the freeze
+    # it imported only the migration checkpoint's layer.
+    assert r["prefetch"]["fs_layers_reused"] == 0 and r["prefetch"]["fs_layers_imported"] >= 2, r
+    assert r["pull"]["fs_layers_imported"] == 1 and r["pull"]["fs_layers_reused"] >= 2, r
+    # Pre-copy sent the chain; the frozen push only the delta.
+    assert r["precopy"]["blobs_pushed"] >= 3 and r["push"]["blobs_skipped"] >= 2, r
+    assert r["push"]["bytes_pushed"] < r["precopy"]["bytes_pushed"], r
+    # Exactly one host runs it: B, under its name; A has nothing left.
+    assert ca.sandboxes() == []
+    (sb,) = cb.sandboxes()
+    assert sb["id"] == r["target_sandbox"] and sb["name"] == "mover" and sb["status"] == "running", sb
+    nid = r["target_sandbox"]
+    after = _serving(cb, nid)
+    assert after > before, (before, after)  # went on from its memory (a new process starts at 1)
+    assert cb.exec(nid, "cat /data/f")["stdout"] == "kept\n"
+    # It goes on taking turns on B.
+    r2 = cb.exec(nid, "echo more >> /data/f")
+    settled_checkpoint(cb, r2["checkpoint"])
+    assert cb.exec(nid, "cat /data/f")["stdout"] == "kept\nmore\n"
 
 
 def test_source_killed_mid_migration_keeps_running_on_the_source(start_daemon, registry):
