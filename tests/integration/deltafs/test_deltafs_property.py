@@ -242,7 +242,7 @@ def test_rollback_and_fork_reproduce_every_checkpoint(store, turns):
             s.remove(name)
 
 
-@settings(max_examples=int(os.environ.get("DELTAFS_PROPERTY_EXAMPLES", "100")) // 2, deadline=None,
+@settings(max_examples=max(1, int(os.environ.get("DELTAFS_PROPERTY_EXAMPLES", "100")) // 4), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                  HealthCheck.data_too_large])
 @given(turns=st.lists(st.lists(op, min_size=1, max_size=12), min_size=2, max_size=4))
