@@ -79,12 +79,12 @@ def _kill_mid_migration(ca: Any, sid: str, ref: str, target: Any, victim: Any, p
     victim.start()
 
 
-def _runs_on_the_source_only(ca: Any, cb: Any, sid: str, before: int) -> None:
+def _runs_on_the_source_only(ca: Any, cb: Any, sid: str, before: int, data: str = "kept\n") -> None:
     """Thawed and running on A, its memory and files intact; B holds nothing of it."""
     (sb,) = ca.sandboxes()
     assert sb["id"] == sid and sb["status"] == "running", sb
     assert _serving(ca, sid) > before
-    assert ca.exec(sid, "cat /data/f")["stdout"] == "kept\n"
+    assert ca.exec(sid, "cat /data/f")["stdout"] == data
     assert cb.sandboxes() == []
 
 
@@ -96,7 +96,7 @@ def _migrate_cli(a: Any, b: Any, sid: str, ref: str) -> dict[str, Any]:
     return r
 
 
-def test_target_killed_mid_migration_then_a_migration_keeps_memory_and_listening_socket(start_daemon, registry):
+def test_target_killed_then_migrated_then_source_killed_runs_on_exactly_one_host(start_daemon, registry):
     # Killed in the pull after the freeze: the delta imported, the sandbox not yet started.
     a, b = start_daemon(), start_daemon(env={"CRABD_CHAOS": "remote_restore", **CHAOS})
     ca, cb = a.client(), b.client()
@@ -130,16 +130,15 @@ def test_target_killed_mid_migration_then_a_migration_keeps_memory_and_listening
     r2 = cb.exec(nid, "echo more >> /data/f")
     settled_checkpoint(cb, r2["checkpoint"])
     assert cb.exec(nid, "cat /data/f")["stdout"] == "kept\nmore\n"
-
-
-def test_source_killed_mid_migration_keeps_running_on_the_source(start_daemon, registry):
-    # Killed frozen, its migration checkpoint taken, before the delta push;
-    # restarted, it finds the sandbox frozen and thaws it.
-    a, b = start_daemon(env={"CRABD_CHAOS": "migrate_frozen", **CHAOS}), start_daemon()
-    ca, cb = a.client(), b.client()
-    sid, before = _server_sandbox(ca)
-    _kill_mid_migration(ca, sid, f"{registry.host}/crabd/mig:3", b, a, "migrate_frozen")
-    _runs_on_the_source_only(ca, cb, sid, before)
+    # Back the other way, B the source now (restarted with a chaos point; its
+    # sandbox re-adopted): B killed frozen, its migration checkpoint taken,
+    # before the delta push. Restarted, it finds the sandbox frozen and thaws
+    # it; A holds nothing of it.
+    b.stop()
+    b.env = {"CRABD_CHAOS": "migrate_frozen", **CHAOS}
+    b.start()
+    _kill_mid_migration(cb, nid, f"{registry.host}/crabd/mig:3", a, b, "migrate_frozen")
+    _runs_on_the_source_only(cb, ca, nid, after, "kept\nmore\n")
 
 
 def test_killed_mid_pull_nothing_half_imported_and_imported_layers_collected(start_daemon, registry):
