@@ -15,7 +15,10 @@ lives only in memory) runs on daemon A; the sandbox is then migrated A -> B
 -> A ... (`crabd sandbox migrate`), with a turn that asks the server between
 migrations. `migration_downtime_ms` is the migrations' downtime (frozen on
 the source until running on the target), `migration_phases_ms` where it goes
-(p50 per phase); `migrated_correct`: every migration restored files and
+(p50 per phase: freeze, capture, push, pull, and stop_source after the
+downtime; then each phase's own steps, `capture.*` from the checkpoint's
+durations, `push.*` and `pull.*` from the transfer's timing_ms);
+`migrated_correct`: every migration restored files and
 processes, the source kept nothing, the server answered its counter after
 each one, and at the end the trace's checks pass and its state digest is the
 one before the first migration.
@@ -90,6 +93,10 @@ def _migrations(a: DaemonHandle, b: DaemonHandle, host: str, n: int) -> dict[str
             phases.setdefault(k, []).append(v)
         for k, v in r["pull_timing_ms"].items():
             phases.setdefault(f"pull.{k}", []).append(v)
+        for k, v in r.get("capture_timing_ms", {}).items():
+            phases.setdefault(f"capture.{k}", []).append(v)
+        for k, v in r.get("push_timing_ms", {}).items():
+            phases.setdefault(f"push.{k}", []).append(v)
         if r["restored"] != "fs+proc" or r["status"] != "running":
             problems.append(f"migration {i}: {r['status']}, restored {r['restored']}")
         if any(x["id"] == sid for x in src.client().sandboxes()):

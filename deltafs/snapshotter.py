@@ -58,7 +58,7 @@ from typing import Any, Iterator
 from .errors import FailedPrecondition, InvalidArgument, NotFound
 from .metadata import Metadata, Row
 from .mount import Mount
-from .tree import Change, Entry, diff_entries, scan
+from .tree import Change, Entry, diff_entries, diff_paths, scan
 
 __all__ = ["Snapshotter", "Info", "Usage", "Kind"]
 
@@ -433,6 +433,31 @@ class Snapshotter(abc.ABC):
             old = scan(pa) if pa is not None else {}
             new = scan(pb)
         return diff_entries(old, new)
+
+    def diff_from(self, a: str, old: dict[bytes, Entry], b: str) -> tuple[list[Change], dict[bytes, Entry]]:
+        """`diff(a, b)` with `old` = `tree(a)` (scanned before: committed
+        snapshots never change), and `tree(b)`. Where the driver can name the
+        paths that differ without a scan (`_changed_paths`: btrfs asks the
+        kernel, `btrfs send --no-data`), only those are looked at in `b`;
+        otherwise `b` is scanned in full. Both give the same result."""
+        with contextlib.ExitStack() as stack:
+            with self._lock:
+                ra = self.meta.get(a)
+                rb = self.meta.get(b)
+                pb = stack.enter_context(self._readable(rb))
+            # Not under the store's lock (as in diff()): a concurrent remove
+            # fails the look, it cannot make it lie.
+            paths = self._changed_paths(ra, rb)
+            if paths is None:
+                new = scan(pb)
+                return diff_entries(old, new), new
+            return diff_paths(old, pb, paths)
+
+    def _changed_paths(self, a: Row, b: Row) -> set[bytes] | None:
+        """Every path at which committed `b` may differ from committed `a`
+        (see `tree.diff_paths`), or None when the driver cannot tell without
+        a scan."""
+        return None
 
     def remove(self, key: str, *, reparent: bool = False) -> None:
         """Remove any snapshot; refuses while another snapshot has it as parent, or while

@@ -21,14 +21,15 @@ used by both drivers.
 
 from __future__ import annotations
 
+import bisect
 import errno
 import fcntl
 import os
 import stat
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterable, Iterator
 
-__all__ = ["Entry", "Change", "scan", "diff_entries", "Copier", "kind_of", "remove_tree", "open_dir", "copy_tree"]
+__all__ = ["Entry", "Change", "scan", "diff_entries", "diff_paths", "Copier", "kind_of", "remove_tree", "open_dir", "copy_tree"]
 
 # linux/fs.h: FICLONE = _IOW(0x94, 9, int) (verified against the C header here).
 FICLONE = 0x40049409
@@ -225,6 +226,101 @@ def scan(root: str | bytes, *, xattrs: bool = True, skip_xattr_prefix: str | Non
         return out
     finally:
         os.close(fd)
+
+
+
+def _lookup(root_fd: int, path: bytes, xattrs: bool) -> Entry | None:
+    """The Entry at `path` below `root_fd`, or None when it (or a directory on
+    the way) is not there; never follows a symlink, the last component's
+    included."""
+    if not path:
+        return _entry(b"", os.fstat(root_fd), root_fd, b"", xattrs, None)
+    parent, _, name = path.rpartition(b"/")
+    try:
+        fd = open_rel(root_fd, parent)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # a symlink on the way: nothing of the path is below it
+            return None
+        raise
+    try:
+        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    else:
+        return _entry(path, st, fd, name, xattrs, None)
+    finally:
+        os.close(fd)
+
+
+def diff_paths(old: dict[bytes, Entry], root: str | bytes, candidates: Iterable[bytes], *,
+               xattrs: bool = True) -> tuple[list[Change], dict[bytes, Entry]]:
+    """`diff_entries(old, scan(root))` and that new tree, looking at the tree
+    at `root` only where it may differ from `old`: the `candidates` (every
+    path at which an entry was created, changed, removed or renamed to or
+    from, e.g. what a btrfs send stream names). A directory that is new at
+    its path (created, or renamed there: its inode is not the one `old` had
+    there) brings its whole subtree in; one gone from its path takes its old
+    subtree with it. Correct when the candidates are complete in that sense;
+    paths that exist on neither side change nothing."""
+    root_fd = open_dir(root)
+    try:
+        old_keys = sorted(old)
+        old_part: dict[bytes, Entry] = {}
+        new_part: dict[bytes, Entry] = {}
+        seen: set[bytes] = set()
+
+        def old_below(p: bytes) -> list[bytes]:
+            lo = p + b"/" if p else b""
+            i = bisect.bisect_left(old_keys, lo)
+            out = []
+            while i < len(old_keys) and old_keys[i].startswith(lo):
+                if old_keys[i]:
+                    out.append(old_keys[i])
+                i += 1
+            return out
+
+        # A change to an inode shows at every name it has; send names one of
+        # them: the other links of a hard-link group are looked at too.
+        links: dict[int, list[bytes]] = {}
+        for path, e in old.items():
+            if e.kind != "dir" and e.nlink > 1:
+                links.setdefault(e.ino, []).append(path)
+        stack = list(candidates)
+        while stack:
+            p = stack.pop()
+            if p in seen:
+                continue
+            seen.add(p)
+            eo = old.get(p)
+            en = new_part.get(p) or _lookup(root_fd, p, xattrs)
+            if eo is not None:
+                old_part[p] = eo
+            if en is not None:
+                new_part[p] = en
+            for side in (eo, en):
+                if side is not None and side.kind != "dir" and side.nlink > 1:
+                    stack.extend(links.get(side.ino, ()))
+            if en is not None and en.kind == "dir" and (eo is None or eo.kind != "dir" or eo.ino != en.ino):
+                fd = open_rel(root_fd, p)
+                try:
+                    for rel, pfd, name, st in walk_fd(fd):
+                        q = p + b"/" + rel if p else rel
+                        new_part[q] = _entry(q, st, pfd, name, xattrs, None)
+                        stack.append(q)
+                finally:
+                    os.close(fd)
+            if eo is not None and eo.kind == "dir" and (en is None or en.kind != "dir" or eo.ino != en.ino):
+                stack.extend(old_below(p))
+        new = dict(old)
+        for p in old_part:
+            if p not in new_part:
+                del new[p]
+        new.update(new_part)
+        return diff_entries(old_part, new_part), new
+    finally:
+        os.close(root_fd)
 
 
 def _copy_data(src: int, dst: int, size: int) -> str:

@@ -7,11 +7,15 @@ and drives the target daemon through its API socket (`crabd.client`).
     pre-copy   push the newest committed checkpoint while the sandbox runs
                (its file-system chain and CRIU chunks reach the registry),
                and the target imports it (a pull with `prefetch`: no sandbox)
+    writeback  the snapshot store's writeback (syncfs), still running, so the
+               capture's own flushes only what was written meanwhile
     freeze     the sandbox's cgroup, under its turn lock (no exec meanwhile)
     capture    a checkpoint with files and processes, taken frozen: the
                freezer stays frozen through the CRIU dump (deltacr keeps a
                cgroup frozen that it found frozen)
-    push       the delta only: the pre-copy's blobs are skipped
+    push       the delta only: the pre-copy's blobs are skipped, and the new
+               layer is diffed from what the store names as changed
+               (`transfer.layer_diff`), not from a scan of the whole tree
     pull       the target creates the sandbox from the pinned reference and
                restores its processes; it answers once they run
     stop       only then is the source destroyed (killed while still frozen)
@@ -21,7 +25,13 @@ what the target may have made of it is removed when the target answers. A
 source daemon killed mid-migration finds the sandbox frozen at its next
 start and thaws it (`daemon/startup.py`); a target killed mid-pull leaves
 nothing half-imported (`transfer.gc_imported` at its next start). The
-downtime is the time from the freeze to the target's answer.
+downtime is the time from the freeze to the target's answer; the reply
+breaks it down (`phases_ms`, and the capture's, push's and pull's own steps).
+
+Memory is not pre-copied: CRIU's pre-dump (`--track-mem`) needs the
+kernel's soft-dirty page tracking, which this host's kernel lacks (`criu
+check --feature mem_dirty_track`: "Dirty tracking is OFF"), so the frozen
+dump writes every page; deltacr's store then keeps only chunks it lacks.
 """
 
 from __future__ import annotations
@@ -109,6 +119,11 @@ async def _frozen_move(daemon: Any, row: Any, t: Any, reference: str, target: An
     effects = await asyncio.to_thread(daemon.inspector.end_turn, sid)
     daemon.inspector.begin_turn(sid)
     phases: dict[str, float] = {}
+    # Writeback while it still runs: the capture's own writeback, frozen,
+    # then flushes only what was written meanwhile.
+    tp = time.monotonic()
+    await asyncio.to_thread(daemon.fs.prepare_checkpoint, row.fs_key)
+    writeback_running = time.monotonic() - tp
     t_freeze = time.monotonic()
     await asyncio.to_thread(freezer.freeze)
     phases["freeze"] = time.monotonic() - t_freeze
@@ -159,7 +174,9 @@ async def _frozen_move(daemon: Any, row: Any, t: Any, reference: str, target: An
             "push": {k: pushed[k] for k in ("blobs_pushed", "blobs_skipped", "bytes_pushed", "bytes_total")},
             "downtime_ms": _ms(downtime), "phases_ms": {k: _ms(v) for k, v in phases.items()},
             "pull": {k: pulled.get(k) for k in ("fs_layers_imported", "fs_layers_reused", "packs_pulled")},
-            "pull_timing_ms": pulled.get("timing_ms", {})}
+            "writeback_running_ms": _ms(writeback_running),
+            "capture_timing_ms": {k: _ms(v) for k, v in (done.durations or {}).items()},
+            "push_timing_ms": pushed.get("timing_ms", {}), "pull_timing_ms": pulled.get("timing_ms", {})}
 
 
 def _stop_frozen(daemon: Any, sid: str, freezer: Freezer) -> None:

@@ -16,6 +16,12 @@ the CRIU image's chunk index) and whose `layers` are
 * the CRIU image's chunks (deltacr's zstandard frames, de-duplicated by
   blake3), packed into blobs of at most PACK_BYTES.
 
+A layer is the diff of its snapshot against the one below (`layer_diff`):
+the lower one's tree is kept from its own push or scan (a migration's
+pre-copy scans it while the sandbox runs), and the new one is looked at only
+where the snapshot store says it may differ (btrfs: the paths `btrfs send
+--no-data` names; `Snapshotter.diff_from`), not scanned whole.
+
 Incremental both ways. Push: a snapshot's layer digest is remembered per
 snapshot (committed snapshots never change) and a chunk's pack per chunk
 key, so pushing turn N after N-1 writes only N's layer and the packs of
@@ -54,7 +60,7 @@ from . import CONFIG_TYPE, FS_LAYER_TYPE, MANIFEST_TYPE, ARTIFACT_TYPE, PROC_PAC
 from .layers import apply_layer, layer_members, member_paths, write_layer
 from .oci import Reference, Registry, parse_reference, sha256_file
 
-__all__ = ["push_checkpoint", "pull_sandbox", "gc_imported", "snapshot_tree", "PACK_BYTES", "IMPORTED_PREFIX"]
+__all__ = ["push_checkpoint", "pull_sandbox", "gc_imported", "snapshot_tree", "layer_diff", "PACK_BYTES", "IMPORTED_PREFIX"]
 
 PACK_BYTES = 16 << 20
 IMPORTED_PREFIX = "img-rmt-"  # an image-like snapshot: the daemon never drops it with a sandbox
@@ -109,11 +115,30 @@ def snapshot_tree(fs: Any, name: str) -> Any:
     if hit is not None:
         return hit
     tree = fs.tree(name)
+    _remember(fs, name, tree)
+    return tree
+
+
+def layer_diff(fs: Any, prev: str | None, name: str) -> tuple[list[Any], dict[bytes, Any]]:
+    """(changes, tree of `name`) from committed `prev` to committed `name`.
+    `prev`'s tree comes from the cache (a migration scanned it during its
+    pre-copy); `name`'s is then looked at only where the driver says it may
+    differ (`Snapshotter.diff_from`: on btrfs the paths `btrfs send
+    --no-data` names, no scan of the whole tree), and kept for the next."""
+    if prev is None:
+        tree = snapshot_tree(fs, name)
+        return diff_entries({}, tree), tree
+    changes, tree = fs.diff_from(prev, snapshot_tree(fs, prev), name)
+    _remember(fs, name, tree)
+    return changes, tree
+
+
+def _remember(fs: Any, name: str, tree: Any) -> None:
+    key = (id(fs), name, fs.stat(name).created)
     with _trees_lock:
         _trees[key] = tree
         while len(_trees) > TREES_KEPT:
             _trees.pop(next(iter(_trees)))
-    return tree
 
 
 def _unmount_all(target: str) -> None:
@@ -161,9 +186,16 @@ def push_checkpoint(daemon: Any, cid: str, ref_text: str, *, auth: str | None = 
     ref = parse_reference(ref_text)
     if ref.digest:
         raise InvalidArgument("a push names a tag, not a digest", fix="drop the @sha256:... part")
+    timing: dict[str, float] = {}
+
+    def lap(step: str, since: float) -> None:
+        timing[step] = timing.get(step, 0.0) + time.monotonic() - since
+
     ck = daemon.store.get_checkpoint(cid)
     daemon._require_files(ck)
+    tp = time.monotonic()
     daemon.integrity.verify(ck)
+    lap("verify", tp)
     sb = daemon.store.get_sandbox(ck.sandbox_id)
     memo_dir = Path(daemon.state_dir) / "remote"
     layers_memo = _Memo(memo_dir / "pushed-layers.json")
@@ -183,10 +215,14 @@ def push_checkpoint(daemon: Any, cid: str, ref_text: str, *, auth: str | None = 
 
             def upload(path: str, digest: str, size: int) -> None:
                 stats["bytes_total"] += size
-                if registry_has(digest):
-                    stats["blobs_skipped"] += 1
-                    return
-                reg.push_blob(ref.repository, path, digest, size)
+                tp = time.monotonic()
+                try:
+                    if registry_has(digest):
+                        stats["blobs_skipped"] += 1
+                        return
+                    reg.push_blob(ref.repository, path, digest, size)
+                finally:
+                    lap("upload", tp)
                 have[digest] = True
                 stats["blobs_pushed"] += 1
                 stats["bytes_pushed"] += size
@@ -205,11 +241,14 @@ def push_checkpoint(daemon: Any, cid: str, ref_text: str, *, auth: str | None = 
                     stats["bytes_total"] += known["size"]
                     fs_layers.append(known)
                 else:
-                    new_tree = snapshot_tree(daemon.fs, name)
-                    old_tree = snapshot_tree(daemon.fs, prev) if prev else {}
-                    paths, whiteouts = member_paths(diff_entries(old_tree, new_tree), new_tree)
+                    tp = time.monotonic()
+                    changes, new_tree = layer_diff(daemon.fs, prev, name)
+                    paths, whiteouts = member_paths(changes, new_tree)
+                    lap("fs_diff", tp)
+                    tp = time.monotonic()
                     with _View(daemon.fs, name, Path(daemon.state_dir)) as root:
                         lf = write_layer(root, paths, whiteouts, str(work))
+                    lap("fs_layer", tp)
                     upload(lf.path, lf.digest, lf.size)
                     os.unlink(lf.path)
                     known = {"digest": lf.digest, "size": lf.size, "snapshot": name, "entries": lf.entries}
@@ -221,7 +260,9 @@ def push_checkpoint(daemon: Any, cid: str, ref_text: str, *, auth: str | None = 
             proc = None
             packs: list[dict[str, Any]] = []
             if ck.proc_image:
+                tp = time.monotonic()
                 proc, packs = _push_proc(daemon, ck.proc_image, packs_memo, pack_sizes, registry_has, upload, work)
+                lap("proc", tp)  # its uploads included
             chaos_point("remote_push")  # CRABD_CHAOS: a registry killed between the blobs and the manifest
             parent_digest = manifests_memo.data.get(ck.parent or "", {}).get("digest")
             config = {
@@ -254,7 +295,9 @@ def push_checkpoint(daemon: Any, cid: str, ref_text: str, *, auth: str | None = 
                                 "org.opencontainers.image.created": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                                   time.gmtime(ck.created_at))},
             }
+            tp = time.monotonic()
             digest = reg.put_manifest(ref, manifest)
+            lap("manifest", tp)
             stats["bytes_pushed"] += len(json.dumps(manifest, sort_keys=True, separators=(",", ":")))
         manifests_memo.data[ck.id] = {"digest": digest, "ref": str(ref)}
         manifests_memo.save()
@@ -262,7 +305,8 @@ def push_checkpoint(daemon: Any, cid: str, ref_text: str, *, auth: str | None = 
         shutil.rmtree(work, ignore_errors=True)
     return {"checkpoint": ck.id, "reference": str(ref), "digest": digest,
             "pinned": str(ref.with_digest(digest)), "fs_layers": len(fs_layers), "proc_packs": len(packs),
-            **stats, "duration_ms": round((time.monotonic() - t0) * 1000, 3)}
+            **stats, "timing_ms": {k: round(v * 1000, 3) for k, v in timing.items()},
+            "duration_ms": round((time.monotonic() - t0) * 1000, 3)}
 
 
 def _push_proc(daemon: Any, image_id: str, memo: _Memo, pack_memo: _Memo, registry_has: Any, upload: Any,

@@ -67,20 +67,53 @@ def _in_thread(fn: Any) -> tuple[threading.Thread, dict[str, Any]]:
     return t, res
 
 
-def test_migrate_keeps_memory_and_listening_socket_and_stops_the_source(start_daemon, registry):
-    a, b = start_daemon(), start_daemon()
+def _kill_mid_migration(ca: Any, sid: str, ref: str, target: Any, victim: Any, point: str) -> None:
+    """Migrate in a thread, SIGKILL `victim` at chaos point `point`, restart
+    it without chaos; the migration call fails."""
+    t, res = _in_thread(lambda: ca.migrate_sandbox(sid, ref, target.socket))
+    wait_until(lambda: f"crabd-chaos: {point}" in victim.log.read_text(), f"the migration at {point}", timeout=300)
+    victim.kill9()
+    t.join(300)
+    assert isinstance(res.get("error"), CrabdError), res
+    victim.env = None
+    victim.start()
+
+
+def _runs_on_the_source_only(ca: Any, cb: Any, sid: str, before: int, data: str = "kept\n") -> None:
+    """Thawed and running on A, its memory and files intact; B holds nothing of it."""
+    (sb,) = ca.sandboxes()
+    assert sb["id"] == sid and sb["status"] == "running", sb
+    assert _serving(ca, sid) > before
+    assert ca.exec(sid, "cat /data/f")["stdout"] == data
+    assert cb.sandboxes() == []
+
+
+def _migrate_cli(a: Any, b: Any, sid: str, ref: str) -> dict[str, Any]:
+    out = subprocess.run([CRABD, "sandbox", "migrate", sid, "--to", ref, "--target-socket", str(b.socket),
+                          "--socket", str(a.socket), "--json"], capture_output=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    r: dict[str, Any] = json.loads(out.stdout)
+    return r
+
+
+def test_target_killed_then_migrated_then_source_killed_runs_on_exactly_one_host(start_daemon, registry):
+    # Killed in the pull after the freeze: the delta imported, the sandbox not yet started.
+    a, b = start_daemon(), start_daemon(env={"CRABD_CHAOS": "remote_restore", **CHAOS})
     ca, cb = a.client(), b.client()
     sid, before = _server_sandbox(ca)
-    out = subprocess.run([CRABD, "sandbox", "migrate", sid, "--to", f"{registry.host}/crabd/mig:1",
-                          "--target-socket", str(b.socket), "--socket", str(a.socket), "--json"],
-                         capture_output=True, timeout=600)
-    assert out.returncode == 0, out.stderr
-    r = json.loads(out.stdout)
+    _kill_mid_migration(ca, sid, f"{registry.host}/crabd/mig:2", b, b, "remote_restore")
+    _runs_on_the_source_only(ca, cb, sid, before)
+    assert not any((b.state / "remote" / "tmp").glob("*"))
+    # A second migration (the CLI, to a repository that has nothing yet)
+    # goes through; its prefetch imports the whole chain again (nothing of
+    # the half-imported one was kept).
+    r = _migrate_cli(a, b, sid, f"{registry.host}/crabd/mig-again:1")
     assert r["status"] == "running" and r["restored"] == "fs+proc", r
     assert isinstance(r["downtime_ms"], (int, float)) and set(r["phases_ms"]) >= {"freeze", "capture", "push", "pull"}, r
+    assert set(r["push_timing_ms"]) >= {"verify", "fs_diff", "fs_layer", "proc", "manifest"}, r
     # The target prefetched the chain while the source ran: after the freeze
     # it imported only the migration checkpoint's layer.
-    assert r["prefetch"]["fs_layers_imported"] >= 2, r
+    assert r["prefetch"]["fs_layers_reused"] == 0 and r["prefetch"]["fs_layers_imported"] >= 2, r
     assert r["pull"]["fs_layers_imported"] == 1 and r["pull"]["fs_layers_reused"] >= 2, r
     # Pre-copy sent the chain; the frozen push only the delta.
     assert r["precopy"]["blobs_pushed"] >= 3 and r["push"]["blobs_skipped"] >= 2, r
@@ -97,53 +130,15 @@ def test_migrate_keeps_memory_and_listening_socket_and_stops_the_source(start_da
     r2 = cb.exec(nid, "echo more >> /data/f")
     settled_checkpoint(cb, r2["checkpoint"])
     assert cb.exec(nid, "cat /data/f")["stdout"] == "kept\nmore\n"
-
-
-def _kill_mid_migration(ca: Any, sid: str, ref: str, target: Any, victim: Any, point: str) -> None:
-    """Migrate in a thread, SIGKILL `victim` at chaos point `point`, restart
-    it without chaos; the migration call fails."""
-    t, res = _in_thread(lambda: ca.migrate_sandbox(sid, ref, target.socket))
-    wait_until(lambda: f"crabd-chaos: {point}" in victim.log.read_text(), f"the migration at {point}", timeout=300)
-    victim.kill9()
-    t.join(300)
-    assert isinstance(res.get("error"), CrabdError), res
-    victim.env = None
-    victim.start()
-
-
-def _runs_on_the_source_only(ca: Any, cb: Any, sid: str, before: int) -> None:
-    """Thawed and running on A, its memory and files intact; B holds nothing of it."""
-    (sb,) = ca.sandboxes()
-    assert sb["id"] == sid and sb["status"] == "running", sb
-    assert _serving(ca, sid) > before
-    assert ca.exec(sid, "cat /data/f")["stdout"] == "kept\n"
-    assert cb.sandboxes() == []
-
-
-def test_target_killed_mid_migration_the_source_keeps_running(start_daemon, registry):
-    # Killed in the pull after the freeze: the delta imported, the sandbox not yet started.
-    a, b = start_daemon(), start_daemon(env={"CRABD_CHAOS": "remote_restore", **CHAOS})
-    ca, cb = a.client(), b.client()
-    sid, before = _server_sandbox(ca)
-    _kill_mid_migration(ca, sid, f"{registry.host}/crabd/mig:2", b, b, "remote_restore")
-    _runs_on_the_source_only(ca, cb, sid, before)
-    assert not any((b.state / "remote" / "tmp").glob("*"))
-    # A second migration goes through; its prefetch imports the whole chain
-    # again (nothing of the half-imported one was kept).
-    r = ca.migrate_sandbox(sid, f"{registry.host}/crabd/mig:2", b.socket)
-    assert r["prefetch"]["fs_layers_reused"] == 0 and r["status"] == "running", r
-    assert ca.sandboxes() == [] and [s["id"] for s in cb.sandboxes()] == [r["target_sandbox"]]
-    assert _serving(cb, r["target_sandbox"]) > before
-
-
-def test_source_killed_mid_migration_keeps_running_on_the_source(start_daemon, registry):
-    # Killed frozen, its migration checkpoint taken, before the delta push;
-    # restarted, it finds the sandbox frozen and thaws it.
-    a, b = start_daemon(env={"CRABD_CHAOS": "migrate_frozen", **CHAOS}), start_daemon()
-    ca, cb = a.client(), b.client()
-    sid, before = _server_sandbox(ca)
-    _kill_mid_migration(ca, sid, f"{registry.host}/crabd/mig:3", b, a, "migrate_frozen")
-    _runs_on_the_source_only(ca, cb, sid, before)
+    # Back the other way, B the source now (restarted with a chaos point; its
+    # sandbox re-adopted): B killed frozen, its migration checkpoint taken,
+    # before the delta push. Restarted, it finds the sandbox frozen and thaws
+    # it; A holds nothing of it.
+    b.stop()
+    b.env = {"CRABD_CHAOS": "migrate_frozen", **CHAOS}
+    b.start()
+    _kill_mid_migration(cb, nid, f"{registry.host}/crabd/mig:3", a, b, "migrate_frozen")
+    _runs_on_the_source_only(cb, ca, nid, after, "kept\nmore\n")
 
 
 def test_killed_mid_pull_nothing_half_imported_and_imported_layers_collected(start_daemon, registry):

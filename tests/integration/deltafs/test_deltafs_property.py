@@ -240,3 +240,35 @@ def test_rollback_and_fork_reproduce_every_checkpoint(store, turns):
                 pass
         for name, _ in reversed(checkpoints if "checkpoints" in locals() else []):
             s.remove(name)
+
+
+@settings(max_examples=max(1, int(os.environ.get("DELTAFS_PROPERTY_EXAMPLES", "100")) // 4), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                 HealthCheck.data_too_large])
+@given(turns=st.lists(st.lists(op, min_size=1, max_size=12), min_size=2, max_size=4))
+def test_diff_from_a_scanned_tree_is_the_full_diff(store, turns):
+    """diff_from (btrfs: only the paths `btrfs send --no-data` names are
+    looked at) gives what a scan of both trees gives, and the new tree."""
+    s, m = store
+    _counter[0] += 1
+    key = f"d{_counter[0]}"
+    t = m.mount(s.prepare(key, parent="img"))
+    names: list[str] = ["img"]
+    try:
+        root = os.fsencode(t)
+        for ops in turns:
+            for o in ops:
+                apply(root, o)
+            names.append(s.checkpoint(key))
+        pairs = list(zip(names, names[1:])) + [(names[0], names[-1]), (names[1], names[-1])]
+        for a, b in pairs:
+            old = s.tree(a)
+            changes, new = s.diff_from(a, old, b)
+            assert changes == s.diff(a, b), (a, b)
+            full = s.tree(b)
+            assert set(new) == set(full) and all(new[p].same_content_as(full[p]) for p in full), (a, b)
+    finally:
+        m.cleanup()
+        s.remove(key)
+        for name in reversed(names[1:]):
+            s.remove(name)

@@ -43,3 +43,29 @@ def test_dir_mtime_alone_is_not_a_change_and_inode_is_ignored():
 def test_non_utf8_names_pass_through():
     n = b"bad\xff\nname"
     assert diff_entries({}, {n: e(n)}) == [Change("added", n, "file", 1)]
+
+
+def test_diff_paths_looks_only_at_candidates_and_what_they_bring(tmp_path):
+    """diff_paths (deltafs.tree): a renamed directory brings its subtree in
+    and takes its old one out, the other names of a hard-link group come
+    along, names on neither side change nothing; the same as a full scan."""
+    import os
+
+    from deltafs.tree import diff_paths, scan
+
+    root = tmp_path / "t"
+    (root / "dd" / "ee").mkdir(parents=True)
+    (root / "dd" / "ee" / "h").write_text("h")
+    (root / "a").write_text("a")
+    os.link(root / "a", root / "b")
+    (root / "untouched").write_text("u")
+    old = scan(str(root))
+    os.rename(root / "dd", root / "zz")
+    with open(root / "a", "a") as f:
+        f.write("more")  # b, the other name, changes too
+    (root / "untouched").write_text("x")  # not a candidate: not looked at
+    changes, new = diff_paths(old, str(root), [b"dd", b"zz", b"a", b"o264-8-0", b""])
+    full = diff_entries(old, scan(str(root)))
+    assert changes == [c for c in full if c.path != b"untouched"]
+    assert {c.path for c in changes} >= {b"dd/ee/h", b"zz/ee/h", b"a", b"b"}
+    assert new[b"untouched"] == old[b"untouched"] and b"dd" not in new and b"zz/ee/h" in new
