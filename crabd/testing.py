@@ -110,7 +110,7 @@ class DaemonHandle:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, wait_inspector: bool = True) -> None:
-        """Start `crabd serve` and wait until it answers; with
+        """Start `crabd serve` and wait until it answers and has re-adopted its sandboxes; with
         `wait_inspector`, also until its inspector has loaded (it serves
         before: turns that end meanwhile are planned FS_PROC, which tests of
         plans must not see)."""
@@ -127,7 +127,9 @@ class DaemonHandle:
             except FailedPrecondition:
                 time.sleep(0.2)
                 continue
-            if not wait_inspector or h.get("inspector_ready", True):
+            # Sandboxes are re-adopted after it serves (crabd.serve): tests
+            # expect them watched (or recovered) once it has started.
+            if h.get("adopting", 0) == 0 and (not wait_inspector or h.get("inspector_ready", True)):
                 return
             time.sleep(0.1)
         raise AssertionError(f"crabd serve did not answer (or load its inspector) in {INSPECTOR_WAIT_S} s: "
