@@ -115,6 +115,8 @@ class Startup(DaemonBase):
 
     async def _adopt_one(self, sid: str) -> bool:
         """Watch `sid` again; True if it is dead (the store says so now)."""
+        from deltafs.snapshotter import chaos_point  # CRABD_CHAOS=adopt: a slow adoption, for tests
+        await asyncio.to_thread(chaos_point, "adopt")
         try:
             sb = await asyncio.to_thread(self.runtime.get, sid)
         except NotFound:
