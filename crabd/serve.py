@@ -258,6 +258,7 @@ async def serve(settings: Settings) -> None:
             await boot()
         except BaseException as e:
             front.failed(str(e))
+            await asyncio.sleep(0.2)  # requests already read get their 503 before the server closes
             server.should_exit = True
             raise
 
