@@ -217,6 +217,7 @@ async def serve(settings: Settings) -> None:
     daemon: Daemon | None = None
     docker = None
     tasks: list[asyncio.Task[Any]] = []
+    stopping = False
 
     async def boot() -> None:
         nonlocal daemon, docker
@@ -245,6 +246,8 @@ async def serve(settings: Settings) -> None:
             from .dockerapi import serve_docker
             docker, _ = await serve_docker(daemon, settings.docker_socket_path)
         front.built(await app)
+        if stopping:
+            return  # the server stopped while this start ran: nothing to announce
         while not server.started:
             await asyncio.sleep(0.01)
         sdnotify.ready(f"serving {settings.socket}; {len(daemon.turns)} sandboxes")
@@ -266,6 +269,7 @@ async def serve(settings: Settings) -> None:
     try:
         await server.serve(sockets=sockets)
     finally:
+        stopping = True
         sdnotify.stopping("shutting down")
         if not start.done() and front.app is not None:
             start.cancel()  # the watchdog's keep-alive
