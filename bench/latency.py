@@ -38,7 +38,11 @@ so a slow phase of the host shows in all of them alike:
   (exec_true_ms says how much that is);
 - restart_ms (after some rounds): SIGTERM of crabd, then a new `crabd serve`:
   from its spawn to the first answered health request (`serving`, polled
-  every 10 ms) and to the last `sandbox.adopted` event (`adopted`).
+  every 10 ms), to the first answered list of sandboxes right after it
+  (`api`: the whole API, which a daemon may build after its first health
+  answer), and to the last `sandbox.adopted` event (`adopted`);
+  `serving_cpu`: the CPU time (user + system, all threads) the new daemon
+  had used when it first answered, in ms: what the load multiplies.
 
 Each figure is {"p50", "p99", "n"}, nearest rank (bench/_stats.py), ms.
 The daemon inherits the environment: CRABD_EXEC_CHANNEL=0 measures `runc
@@ -345,9 +349,13 @@ class Bench:
                 raise RuntimeError(f"crabd did not serve within {WAIT_S} s of its restart")
             time.sleep(0.01)
         self.add("restart.serving", _ms(t0, time.monotonic()))
+        cpu = _cpu_ms(self.dh.proc.pid) if self.dh.proc is not None else None
+        if cpu is not None:
+            self.add("restart.serving_cpu", cpu)
+        probe.sandboxes()   # the whole API (a health probe may be answered before it is built)
+        self.add("restart.api", _ms(t0, time.monotonic()))
         starter.join(WAIT_S)
-        if probe is not None:
-            probe.close()
+        probe.close()
         adopted: list[float] = []
         deadline = time.monotonic() + WAIT_S
         while len(adopted) < n:
@@ -384,7 +392,8 @@ class Bench:
             "fork_ms": {k: p(f"fork.{k}") for k in ("1", "8", "1_proc", "8_proc")},
             "exec_true_ms": {"crabd": p("exec_true.crabd"), "docker": p("exec_true.docker"),
                              "runtime": p("exec_true.runtime")},
-            "restart_ms": {"serving": p("restart.serving"), "adopted": p("restart.adopted")},
+            "restart_ms": {"serving": p("restart.serving"), "adopted": p("restart.adopted"), "api": p("restart.api"),
+                           "serving_cpu": p("restart.serving_cpu")},
             "storm_ms": {"crabd": p("storm.crabd"), "docker": p("storm.docker"), "syscalls": 2 * self.a.storm},
             "notes": self.notes,
             "config": {"quick": self.a.quick, "rounds": self.a.rounds, "execs": self.a.execs,
@@ -402,6 +411,15 @@ class Bench:
             return str(self.client().health().get("inspector"))
         except CrabdError:
             return "unknown"
+
+
+def _cpu_ms(pid: int) -> float | None:
+    """CPU time (user + system, all threads) the process has used so far, ms."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) * 1000 / os.sysconf("SC_CLK_TCK")
 
 
 def restart_rounds(rounds: int, restarts: int) -> list[int]:

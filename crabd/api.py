@@ -513,7 +513,9 @@ def make_app(daemon: Daemon, *, token: str | None = None, tokens: dict[str, str]
     async def health() -> dict[str, Any]:
         """The daemon's health: ok, uptime, the snapshot driver and the inspector in use (`loading` while the BPF
         program compiles after a start: `inspector_ready` false, and every turn that ends meanwhile is saved whole),
-        sandboxes, store schema version."""
+        sandboxes and how many of them are still being re-adopted after a start (`adopting`: their turns and
+        rollbacks wait for it), store schema version. Answered from the moment the daemon's state is loaded, before
+        the rest of the API is (a request without a token on the unix socket)."""
         return daemon.health()
 
     @app.get("/metrics", response_class=PlainTextResponse)

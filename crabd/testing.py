@@ -109,11 +109,12 @@ class DaemonHandle:
         self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, wait_inspector: bool = True) -> None:
-        """Start `crabd serve` and wait until it answers; with
-        `wait_inspector`, also until its inspector has loaded (it serves
-        before: turns that end meanwhile are planned FS_PROC, which tests of
-        plans must not see)."""
+    def start(self, wait_inspector: bool = True, wait_adopted: bool = True) -> None:
+        """Start `crabd serve` and wait until it answers; with `wait_adopted`,
+        also until it has re-adopted its sandboxes (it answers health before:
+        crabd.serve); with `wait_inspector`, until its inspector has loaded
+        (it serves before: turns that end meanwhile are planned FS_PROC,
+        which tests of plans must not see)."""
         env = None if self.env is None else {**os.environ, **self.env}
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([CRABD, "serve", "--state-dir", str(self.state), "--socket", str(self.socket),
@@ -127,7 +128,10 @@ class DaemonHandle:
             except FailedPrecondition:
                 time.sleep(0.2)
                 continue
-            if not wait_inspector or h.get("inspector_ready", True):
+            # Sandboxes are re-adopted after it serves (crabd.serve): tests
+            # expect them watched (or recovered) once it has started.
+            if ((not wait_adopted or h.get("adopting", 0) == 0)
+                    and (not wait_inspector or h.get("inspector_ready", True))):
                 return
             time.sleep(0.1)
         raise AssertionError(f"crabd serve did not answer (or load its inspector) in {INSPECTOR_WAIT_S} s: "

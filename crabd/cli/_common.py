@@ -13,17 +13,35 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from .. import config
 from ..errors import CrabdError, InvalidArgument
 
-out = Console(width=int(os.environ.get("COLUMNS", "100")))
-err = Console(stderr=True)
+if TYPE_CHECKING:
+    from rich.console import Console
+
+
+class _LazyConsole:
+    """A rich Console made at its first use: importing rich was a fifth of
+    the CLI's start (measured), and `crabd serve`, `--json` and most
+    successful commands never print through one."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self._kwargs = kwargs
+        self._console: Console | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        if self._console is None:
+            from rich.console import Console
+            self._console = Console(**self._kwargs)
+        return getattr(self._console, name)
+
+
+out: Console = _LazyConsole(width=int(os.environ.get("COLUMNS", "100")))  # type: ignore[assignment]
+err: Console = _LazyConsole(stderr=True)  # type: ignore[assignment]
 
 StateDir = typer.Option(None, "--state-dir", envvar="CRABD_STATE_DIR", help="crabd's state directory",
                         show_default=str(config.DEFAULT_STATE_DIR))
@@ -87,6 +105,7 @@ def show(record: dict[str, Any], as_json: bool) -> None:
 
 
 def table(rows: list[dict[str, Any]], cols: list[str]) -> None:
+    from rich.table import Table
     t = Table(box=None, header_style="bold")
     for c in cols:
         t.add_column(c, overflow="fold")

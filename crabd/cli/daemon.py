@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
-from rich.table import Table
 
 from .. import __version__
 from ._common import JsonOpt, SocketOpt, StateDir, client, err, guard, out, print_json, state
@@ -38,6 +37,7 @@ def doctor(state_dir: Optional[Path] = StateDir, as_json: bool = JsonOpt) -> Non
     if as_json:
         print_json({"ok": ok, "checks": [c.to_dict() for c in checks]})
     else:
+        from rich.table import Table
         t = Table(show_header=True, header_style="bold", box=None)
         for col in ("check", "status", "detail"):
             t.add_column(col, overflow="fold")

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
-from rich.table import Table
 
 from ._common import JsonOpt, StateDir, err, guard, out, print_json, runtime
 
@@ -62,6 +61,7 @@ def image_ls(state_dir: Optional[Path] = StateDir, as_json: bool = JsonOpt) -> N
     if as_json:
         print_json({"images": [i.to_dict() for i in imgs]})
         return
+    from rich.table import Table
     t = Table(box=None, header_style="bold")
     for col in ("name", "size", "entries", "source"):
         t.add_column(col, overflow="fold")

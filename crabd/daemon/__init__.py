@@ -111,6 +111,8 @@ class Daemon(Startup, Sandboxes, TurnLoop, CapturePipeline, Queries, Rollback, L
         self._guard = threading.Lock()
         self._reaper = AdoptedReaper()  # zombies crabd (a child subreaper) adopted: see watch_deaths
         self._loop = None
+        self._adoption = None     # Startup.start's re-adoptions, when they run in the background
+        self._adopting = set()    # sandboxes not yet re-adopted since the start
         self.started_at = time.time()
 
     async def wait_event(self, timeout: float) -> None:

@@ -99,6 +99,8 @@ class DaemonBase:
     _guard: threading.Lock
     _reaper: AdoptedReaper
     _loop: asyncio.AbstractEventLoop | None
+    _adoption: asyncio.Task[None] | None
+    _adopting: set[str]
     started_at: float
 
     if TYPE_CHECKING:

@@ -12,6 +12,8 @@ daemon's store rows name the snapshots they use, and start-up reconciliation
 * ``root-<hex>``  active: a sandbox's writable root (its row's `fs_key`).
 * ``standby-<hex>``  active: a hot standby's root (`standbys.py`).
 * ``fullview-...``  active: left by an older crabd's capture mode `full`.
+* ``img-rmt-<hex>``  committed: a layer a registry pull imported
+  (`crabd.remote.transfer.IMPORTED_PREFIX`, spelled there).
 * ``<sandbox>-<seq>``  committed: a checkpoint's snapshot, named after the
   checkpoint (its process image in the CRIU store has the same name).
 """
@@ -21,13 +23,18 @@ from __future__ import annotations
 import secrets
 
 __all__ = ["IMAGE", "IMPORT_MOUNT", "FULL_MOUNT", "image_snapshot", "is_image_snapshot", "new_import_key",
-           "new_root_key", "new_standby_key", "is_standby_key", "is_sandbox_root", "checkpoint_id"]
+           "new_root_key", "new_standby_key", "is_standby_key", "is_sandbox_root", "checkpoint_id",
+           "REMOTE_LAYER"]
 
 IMAGE = "img-"
 _IMPORT = "import-"
 _ROOT = "root-"
 _STANDBY = "standby-"
 _FULLVIEW = "fullview-"
+# crabd.remote.transfer.IMPORTED_PREFIX, repeated so that a start need not
+# import the registry code to see there is nothing of it to clean up
+# (tests/unit/crabd/test_lazy_imports.py checks they agree).
+REMOTE_LAYER = "img-rmt-"
 # Temporary mount points under the state directory (an image import, or an
 # older crabd's full-mode copy) that a crash may leave mounted.
 IMPORT_MOUNT = "crabd-import-"

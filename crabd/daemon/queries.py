@@ -96,7 +96,8 @@ class Queries(DaemonBase):
 
     def health(self) -> dict[str, Any]:
         ready = getattr(self.inspector, "ready", None)  # a LoadingInspector's: set once it has loaded
-        return {"ok": True, "sandboxes": len(self.turns), "uptime_s": round(time.time() - self.started_at, 1),
+        return {"ok": True, "sandboxes": len(self.turns), "adopting": len(self._adopting),
+                "uptime_s": round(time.time() - self.started_at, 1),
                 "fs_driver": self.fs.driver, "inspector": getattr(self.inspector, "source", "proc"),
                 "inspector_ready": ready.is_set() if ready is not None else True,
                 "inspector_load_s": getattr(self.inspector, "load_seconds", None),

@@ -146,9 +146,10 @@ class Standbys(DaemonBase):
                     self._remove_snapshot(e.fs_key)
                 return None
             timing["promote"] = time.monotonic() - t
-            promote_ms = getattr(e.standby, "promote_ms", None)
-            if promote_ms is not None:
-                timing["resume"] = promote_ms / 1000
+            for key, attr in (("resume", "promote_ms"), ("swap", "swap_ms")):
+                ms = getattr(e.standby, attr, None)
+                if ms is not None:
+                    timing[key] = ms / 1000
         return e.fs_key, sb
 
     def _holds(self, e: StandbyEntry, ck: CheckpointRow, processes: bool) -> bool:

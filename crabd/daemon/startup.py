@@ -24,7 +24,7 @@ from ..runtime import Freezer
 from ..store import CheckpointRow
 from .base import DaemonBase, Turns
 from .events import EventKind
-from .names import FULL_MOUNT, IMPORT_MOUNT, is_sandbox_root
+from .names import FULL_MOUNT, IMPORT_MOUNT, REMOTE_LAYER, is_sandbox_root
 from .plans import BLIND_RESTART
 from .rollback import ROLLING_BACK
 
@@ -60,8 +60,12 @@ class Startup(DaemonBase):
             return ebpf.open_inspector_async(None, before_load=lambda: chaos_point("inspector_load"))
         return ebpf.open_inspector(None)
 
-    async def start(self) -> None:
-        """Reload the store, settle what a crash left half-done, re-adopt sandboxes."""
+    async def start(self, *, adopt_in_background: bool = False) -> None:
+        """Reload the store, settle what a crash left half-done, re-adopt
+        sandboxes. `adopt_in_background` (`crabd serve`): return once the
+        state is settled, the adoptions still running; each sandbox's turn
+        lock is held until its own adoption ends, so its turns and rollbacks
+        wait for it (health's `adopting` counts them)."""
         self._loop = asyncio.get_running_loop()
         self.events.bind(self._loop)
         # Every exec holds a worker thread for its command's whole run; with
@@ -76,23 +80,50 @@ class Startup(DaemonBase):
         rows = self.store.list_sandboxes()
         for row in rows:
             self.turns[row.id] = Turns()
+        self._adopting = {row.id for row in rows}
+        if not adopt_in_background:
+            await self._adopt_all([row.id for row in rows], held=False)
+            return
+        for row in rows:  # uncontended: taken at once, before any request can ask for it
+            await self.turns[row.id].lock.acquire()
+        self._adoption = asyncio.create_task(self._adopt_all([row.id for row in rows], held=True))
+
+    async def _adopt_all(self, sids: list[str], held: bool) -> None:
         # One after another, each sandbox cost a `runc state` spawn and its
         # watch (and a dead one its whole recovery) before the next: in
         # parallel, a restart serves and re-adopts in the time of the slowest.
-        await asyncio.gather(*(self._adopt(row.id) for row in rows))
+        results = await asyncio.gather(*(self._adopt(sid, held) for sid in sids), return_exceptions=held)
+        for sid, r in zip(sids, results):
+            if isinstance(r, BaseException):  # only in the background: there is no caller to raise to
+                log.error("re-adopting sandbox %s after the start failed: %s", sid, r, exc_info=r)
         self._resize_unsized()
         self.metrics.sandboxes.set(len(self.turns))
 
-    async def _adopt(self, sid: str) -> None:
+    async def _adopt(self, sid: str, held: bool = False) -> None:
         """A sandbox of the store after a (re)start: watched again if it
         runs (thawed first if a crash left it frozen), else recovered per
-        policy."""
+        policy. `held`: its turn lock is held for this adoption; released
+        before a recovery (which takes it itself)."""
+        t = self.turns[sid]
+        try:
+            dead = await self._adopt_one(sid)
+        finally:
+            self._adopting.discard(sid)
+            if held:
+                t.lock.release()
+        if dead and self.options.auto_rollback:
+            await self._auto_recover(sid)
+
+    async def _adopt_one(self, sid: str) -> bool:
+        """Watch `sid` again; True if it is dead (the store says so now)."""
+        from deltafs.snapshotter import chaos_point  # CRABD_CHAOS=adopt: a slow adoption, for tests
+        await asyncio.to_thread(chaos_point, "adopt")
         try:
             sb = await asyncio.to_thread(self.runtime.get, sid)
         except NotFound:
             self.events.emit(EventKind.SANDBOX_LOST, sid, reason="its runtime state is gone")
             self.store.update_sandbox(sid, state="dead")
-            return
+            return False
         # Frozen by a checkpoint whose daemon was killed mid-commit (the
         # freezer file is written directly: runc may still say running):
         # crabd never leaves a sandbox frozen on purpose.
@@ -113,21 +144,23 @@ class Startup(DaemonBase):
             self.store.update_sandbox(sid, state="dead")
             self.events.emit(EventKind.SANDBOX_DIED, sid, reason="crabd stopped during a rollback of it: "
                              "its files and processes were not known to be any checkpoint's")
-            if self.options.auto_rollback:
-                await self._auto_recover(sid)
-            return
+            return True  # recovered by _adopt, once the turn lock is released
         if sb.status == "running":
             await asyncio.to_thread(self._watch, sid, sb)  # `sb`: no second `runc state` spawn
             self.turns[sid].blind = BLIND_RESTART
             self.store.update_sandbox(sid, state="running")
             self.events.emit(EventKind.SANDBOX_ADOPTED, sid)
-        else:
-            self.store.update_sandbox(sid, state="dead")
-            self.events.emit(EventKind.SANDBOX_DIED, sid, reason=f"found {sb.status} at daemon start")
-            if self.options.auto_rollback:
-                await self._auto_recover(sid)
+            return False
+        self.store.update_sandbox(sid, state="dead")
+        self.events.emit(EventKind.SANDBOX_DIED, sid, reason=f"found {sb.status} at daemon start")
+        return True
 
     async def close(self) -> None:
+        if self._adoption is not None and not self._adoption.done():
+            try:  # its worker threads would outlive a cancel
+                await asyncio.wait_for(asyncio.shield(self._adoption), 60)
+            except Exception:
+                pass
         for t in self.turns.values():
             if t.capture is not None and not t.capture.done():
                 try:
@@ -155,8 +188,13 @@ class Startup(DaemonBase):
             self._drop_capture_leftovers(ck)
             self.events.emit(EventKind.CHECKPOINT_DISCARDED, ck.sandbox_id, checkpoint=ck.id)
         self._reconcile_runtime()
-        from ..remote.transfer import gc_imported
-        gc_imported(self, at_start=True)  # layers a pull killed half-way imported, its downloads
+        # Layers a pull killed half-way imported, its downloads. The registry
+        # code (httpx) is imported only when there is one: it was a third of
+        # a start's imports (measured), and a start serves no sooner than this.
+        if (self.state_dir / "remote" / "tmp").exists() or any(
+                info.name.startswith(REMOTE_LAYER) for info in self.fs.walk()):
+            from ..remote.transfer import gc_imported
+            gc_imported(self, at_start=True)
         self.fs.gc()
         from ..runtime.criu import gc_scratch
         n = gc_scratch()  # CRIU's staging dirs a crashed crabd left on the tmpfs (an hour old at least)

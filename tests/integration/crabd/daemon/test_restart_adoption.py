@@ -47,3 +47,31 @@ def test_restart_adopts_the_live_and_recovers_the_dead(start_daemon):
     for i, sid in enumerate(sids):
         assert c.sandbox(sid)["state"] == "running"
         assert c.exec(sid, "cat /n")["stdout"] == f"{i}\n"
+
+
+def test_serves_before_the_adoptions_end_and_turns_wait_for_them(start_daemon):
+    """`crabd serve` answers a health probe once its state is settled, while
+    the sandboxes are still being re-adopted (health's `adopting`), and a turn
+    that arrives meanwhile waits for its sandbox's adoption: it runs on a
+    watched sandbox, planned as the first turn after a restart is.
+    CRABD_CHAOS=adopt holds each adoption for CRABD_CHAOS_SLEEP seconds."""
+    from crabd.daemon.plans import BLIND_RESTART
+    d = start_daemon(env={"CRABD_INSPECTOR": "proc", "CRABD_CHAOS": "adopt", "CRABD_CHAOS_SLEEP": "4"})
+    c = d.client()
+    sid = c.create_sandbox("busybox")["id"]
+    assert c.exec(sid, "echo 1 > /n")["exit_code"] == 0
+    wait_until(lambda: not any(x["state"] == "pending" for x in c.checkpoints(sid, all=True)),
+               "a durable checkpoint", 120)
+    since = c.last_event_seq()
+    c.close()
+    d.stop()
+    d.start(wait_inspector=False, wait_adopted=False)
+    c = d.client()
+    h = c.health()
+    assert h["sandboxes"] == 1 and h["adopting"] == 1, h
+    r = c.exec(sid, ["cat", "/n"])
+    assert (r["exit_code"], r["stdout"]) == (0, "1\n"), r
+    assert any(BLIND_RESTART in x for x in r["reasons"]), r
+    kinds = [e["kind"] for e in c.events(since=since, sandbox=sid) if e["kind"] in ("sandbox.adopted", "turn.ended")]
+    assert kinds == ["sandbox.adopted", "turn.ended"], kinds   # the turn ran once the adoption had ended
+    assert c.health()["adopting"] == 0
