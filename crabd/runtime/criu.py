@@ -153,12 +153,18 @@ def checkpoint_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, check
             cap = capture_consistent(freezer.freeze, (lambda: None) if was_frozen else freezer.thaw, dump,
                                      commit if fs_commit is not None else None)
             dumped = True
-        except CriuFailed as e:
-            kept = store.log_dir(checkpoint_id)
-            kept.mkdir(parents=True, exist_ok=True)
-            if e.log_path and os.path.isfile(e.log_path):
-                shutil.copyfile(e.log_path, kept / "dump.log")
-                e.log_path = str(kept / "dump.log")
+        except BaseException as e:
+            if isinstance(e, CriuFailed):
+                kept = store.log_dir(checkpoint_id)
+                kept.mkdir(parents=True, exist_ok=True)
+                if e.log_path and os.path.isfile(e.log_path):
+                    shutil.copyfile(e.log_path, kept / "dump.log")
+                    e.log_path = str(kept / "dump.log")
+            # Failed or refused after the FS commit: that commit holds crabd's
+            # links, which no process image will use; the caller replaces it
+            # (`committed_links`, pipeline._capture_proc).
+            if remaps and getattr(e, "fs_result", None) is not None:
+                e.committed_links = list(remaps)  # type: ignore[attr-defined]
             raise
         finally:
             unlink_all(sb.rootfs, remaps)  # the FS commit or the dump failed
