@@ -10,7 +10,8 @@ the dump (runtime/linkremap.py).
 A dump that fails after the FS commit (CRIU refuses, or crabd does) must not
 leave those links in the files-only checkpoint it keeps: before the fix the
 commit kept `/root/.crabd-link-remap.<inode>`, and a rollback to it brought the
-name back into the sandbox.
+name back into the sandbox. Nor may crabd killed mid-dump leave them in the
+live sandbox once it restarts (before the fix they stayed there for good).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import json
 import shutil
 
-from crabd.testing import settled_checkpoint
+from crabd.testing import settled_checkpoint, settled_checkpoints, wait_until
 
 import pytest
 
@@ -82,3 +83,35 @@ def test_a_failed_dump_leaves_no_link_in_its_files_only_checkpoint(start_daemon,
     c.rollback(sid, ck["id"])
     assert c.exec(sid, LEFT)["stdout"].strip() == "", "a rollback to the files-only checkpoint brought the link back"
     assert c.exec(sid, "cat /root/b")["stdout"].split() == ["one", "two"]
+
+
+def test_a_restart_after_a_crash_mid_dump_removes_the_links(start_daemon, tmp_path):
+    cfg = tmp_path / "config.toml"
+    cfg.write_text('capture = "full"\n')
+    d = start_daemon(args=["--config", str(cfg)], env={"CRABD_INSPECTOR": "proc"})
+    c = d.client()
+    sid = c.create_sandbox("busybox")["id"]
+    assert c.exec(sid, HOLD)["exit_code"] == 0
+    assert c.exec(sid, "sleep 0.3; " + FD)["stdout"].strip() == "/root/a (deleted)"
+    settled_checkpoints(c, sid)
+    # Restarted with CRABD_CHAOS=criu_dump: a capture announces itself in the
+    # log and sleeps there, frozen, its files committed with crabd's links,
+    # the dump next; crabd is killed there.
+    d.stop()
+    c.close()
+    d.env = {"CRABD_INSPECTOR": "proc", "CRABD_CHAOS": "criu_dump", "CRABD_CHAOS_SLEEP": "60"}
+    d.start()
+    c = d.client()
+    seen = d.log.read_text(errors="replace").count("crabd-chaos: criu_dump")
+    c.exec(sid, "true")
+    wait_until(lambda: d.log.read_text(errors="replace").count("crabd-chaos: criu_dump") > seen,
+               "a capture at the kill point", 120)
+    root = d.state / "sandboxes" / sid / "bundle" / "rootfs" / "root"
+    assert list(root.glob(".crabd-link-remap.*")), f"no link in {root}: the kill missed the window"
+    d.kill9()
+    c.close()
+    d.env = {"CRABD_INSPECTOR": "proc"}
+    d.start()
+    c = d.client()
+    assert c.exec(sid, LEFT)["stdout"].strip() == "", "a link of the killed dump is still in the sandbox"
+    assert c.exec(sid, FD)["stdout"].strip() == "/root/a (deleted)"  # the sandbox kept running
