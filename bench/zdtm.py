@@ -73,6 +73,7 @@ import argparse
 import ast
 import hashlib
 import json
+import math
 import os
 import re
 import shlex
@@ -114,9 +115,43 @@ UNPRIVILEGED_ENV = {"ZDTM_UID": "18943", "ZDTM_GID": "58467", "ZDTM_GROUPS": "27
 # hosts deny it ("Can't get rlimit 0: Operation not permitted", issue 15's
 # pid00), so under upstream's uid every dump fails for a host reason.
 UPSTREAM_UID_NOTE = "--upstream-uid: every dump fails here on prlimit (no CAP_SYS_RESOURCE on these hosts)"
-# Per-step hang guards (s): one hung test must not hang the run.
+# Per-step hang guards (s): one hung test must not hang the run. Each is
+# scaled by `load_factor` when the step starts: a CPU-bound test step takes
+# longer in proportion to the load (socket-tcpbuf6 fills 100 MiB socket
+# buffers 17 bytes per write: 17-27 s a variant at load 10-15, over the 90 s
+# guard at load 27-37, bench/results/zdtm/2026-12-06-full/SUMMARY.md).
 STEP_TIMEOUT = 90.0
 VERDICT_WAIT = 30.0
+MAX_LOAD_FACTOR = 6.0
+# Tests whose own verdict needs the whole variant (start, checkpoint,
+# restore, SIGTERM) inside a window they set from the environment, scaled
+# like the guards: poll's child fails when its 5 s poll() (ZDTM_DELTA) times
+# out a second time before the SIGTERM (its start time is never reset), which
+# happens at load 27-37 (the bench's steps take 20-40 s there).
+LOAD_SCALED_ENV = {"poll": ("ZDTM_DELTA", 5)}
+
+
+def load_factor(load1: float | None = None, cpus: int | None = None) -> float:
+    """How much longer than on an idle host a CPU-bound step may take:
+    the 1-minute load per CPU, at least 1, at most MAX_LOAD_FACTOR (a real
+    hang still ends). Pure given its arguments (default: this host's now)."""
+    if load1 is None:
+        load1 = os.getloadavg()[0]
+    n = cpus or os.cpu_count() or 1
+    return min(MAX_LOAD_FACTOR, max(1.0, load1 / n))
+
+
+def guard(seconds: float, factor: float | None = None) -> float:
+    """A hang guard of `seconds` on an idle host, scaled by the load."""
+    return seconds * (load_factor() if factor is None else factor)
+
+
+def load_env(name: str, factor: float | None = None) -> dict[str, str]:
+    """The environment a test gets for its own time window (LOAD_SCALED_ENV)."""
+    if name not in LOAD_SCALED_ENV:
+        return {}
+    var, base = LOAD_SCALED_ENV[name]
+    return {var: str(math.ceil(base * (load_factor() if factor is None else factor)))}
 # --share: these variants run one after the other on one sandbox (CI).
 SHARED = ("fork", "dump_continue", "rollback")
 
@@ -272,7 +307,9 @@ def read_verdict(out: str) -> tuple[bool, str]:
         rest = out[len("@@gone"):].strip()
         return False, "the test process is gone (not restored)" + (f"; its log: {rest[-200:]}" if rest else "")
     if out.startswith("@@noout"):
-        return False, f"no verdict {VERDICT_WAIT:.0f} s after SIGTERM; log: {out[len('@@noout'):].strip()[-200:]}"
+        head, _, log = out.partition("\n")
+        waited = head[len("@@noout"):].strip()
+        return False, f"no verdict {waited or VERDICT_WAIT} s after SIGTERM; log: {log.strip()[-200:]}"
     return verdict(out)
 
 
@@ -578,7 +615,7 @@ class Suite:
     def client(self) -> Any:
         from crabd.client import Client
         # A turn that stalls (CRIU hung on a stopped task) must not hang the run.
-        return Client(self.daemon.socket, timeout=STEP_TIMEOUT * 3)
+        return Client(self.daemon.socket, timeout=STEP_TIMEOUT * 3 * MAX_LOAD_FACTOR)
 
     def run_test(self, t: ZdtmTest, variants: Iterable[str]) -> list[Outcome]:
         out: list[Outcome] = []
@@ -635,15 +672,18 @@ class Suite:
         """SIGTERM the test, wait for its output file, print it (@@gone: no
         such process; @@noout: no verdict in time)."""
         n = shlex.quote(t.name)
+        wait = round(guard(VERDICT_WAIT))
         return (f"p=$(cat {n}.pid 2>/dev/null); "
                 f"if [ -z \"$p\" ] || ! kill -0 \"$p\" 2>/dev/null; then echo @@gone; "
                 f"tail -n 3 {n}.out.inprogress 2>/dev/null; exit 0; fi; kill -TERM \"$p\"; i=0; "
-                f"while [ ! -e {n}.out ] && [ $i -lt {int(VERDICT_WAIT * 10)} ]; do sleep 0.1; i=$((i+1)); done; "
-                f"if [ -e {n}.out ]; then cat {n}.out; else echo @@noout; tail -n 3 {n}.out.inprogress 2>/dev/null; fi")
+                f"while [ ! -e {n}.out ] && [ $i -lt {wait * 10} ]; do sleep 0.1; i=$((i+1)); done; "
+                f"if [ -e {n}.out ]; then cat {n}.out; else echo @@noout {wait}; "
+                f"tail -n 3 {n}.out.inprogress 2>/dev/null; fi")
 
     def _sh(self, c: Any, sid: str, t: ZdtmTest, script: str) -> str:
-        return c.exec(sid, ["/bin/sh", "-c", script], cwd=RUN_DIR, env={"TMPDIR": "/tmp", **t.env(self.upstream_uid)},
-                      timeout=STEP_TIMEOUT)["stdout"]
+        return c.exec(sid, ["/bin/sh", "-c", script], cwd=RUN_DIR,
+                      env={"TMPDIR": "/tmp", **t.env(self.upstream_uid), **load_env(t.name)},
+                      timeout=guard(STEP_TIMEOUT))["stdout"]
 
     def _start(self, c: Any, sid: str, t: ZdtmTest) -> None:
         out = self._sh(c, sid, t, self._start_sh(t))
@@ -656,7 +696,7 @@ class Suite:
     def _committed(self, c: Any, cid: str) -> dict[str, Any]:
         from crabd.testing import wait_until
         return wait_until(lambda: (k := c.checkpoint(cid))["state"] == "committed" and k,  # type: ignore[return-value]
-                          f"commit of checkpoint {cid}", STEP_TIMEOUT, interval=0.1)
+                          f"commit of checkpoint {cid}", guard(STEP_TIMEOUT), interval=0.1)
 
     def _proc_missing(self, c: Any, sid: str, ck: dict[str, Any]) -> str | None:
         """None if `ck` holds a process image; else why not (CRIU's error
@@ -670,7 +710,7 @@ class Suite:
 
     def _start_and_true(self, c: Any, sid: str, t: ZdtmTest) -> dict[str, Any]:
         self._start(c, sid, t)
-        r = c.exec(sid, ["true"], timeout=STEP_TIMEOUT)
+        r = c.exec(sid, ["true"], timeout=guard(STEP_TIMEOUT))
         return self._committed(c, r["checkpoint"])
 
     def _events(self, c: Any, sid: str, since: int) -> list[dict[str, Any]]:
@@ -745,7 +785,7 @@ class Suite:
                 pass
         done = ("sandbox.rolled_back", "sandbox.recovery_failed")
         evs = wait_until(lambda: (e := self._events(c, sid, since)) and any(x["kind"] in done for x in e) and e,
-                         f"automatic recovery of {sid}", STEP_TIMEOUT, interval=0.1)
+                         f"automatic recovery of {sid}", guard(STEP_TIMEOUT), interval=0.1)
         kinds = {e["kind"]: e for e in evs}  # type: ignore[union-attr]
         if "sandbox.recovery_failed" in kinds:
             return False, f"recovery failed: {kinds['sandbox.recovery_failed']['data'].get('error')}"[:400], None
@@ -755,7 +795,7 @@ class Suite:
 
     def rollback(self, c: Any, t: ZdtmTest, sid: str, ck: dict[str, Any],
                  made: list[str]) -> tuple[bool, str, str | None]:
-        c.exec(sid, ["/bin/sh", "-c", f"kill -KILL $(cat {t.name}.pid)"], cwd=RUN_DIR, timeout=STEP_TIMEOUT)
+        c.exec(sid, ["/bin/sh", "-c", f"kill -KILL $(cat {t.name}.pid)"], cwd=RUN_DIR, timeout=guard(STEP_TIMEOUT))
         restored = c.rollback(sid, ck["id"]).get("restored")
         if not str(restored).startswith("fs+proc"):
             err = self._restore_errors(c, sid)
@@ -932,6 +972,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{o.test:28} {o.variant:14} {'PASS' if o.ok else 'FAIL'} {o.seconds:6.1f}s"
             + ("" if o.ok else f"  {o.reason[:150]}"))
 
+    load_start = os.getloadavg()
     outcomes, interrupted = run(tests, image, variants, a.jobs, progress, a.upstream_uid, a.share)
     if interrupted:
         log("zdtm: interrupted; sandboxes and the daemon were cleaned up; the tests finished so far follow")
@@ -943,7 +984,11 @@ def main(argv: list[str] | None = None) -> int:
     s.update(criu=crv, source=f"{CRIU_SOURCE} (Debian trixie), sha256 "
              f"{(CACHE / 'src' / f'{CRIU_SOURCE}.sha256').read_text().strip()}",
              image=image, prepare_seconds=round(built_s, 1), seconds=round(time.monotonic() - t0, 1),
-             variants_run=variants, upstream_uid=a.upstream_uid, share=a.share)
+             variants_run=variants, upstream_uid=a.upstream_uid, share=a.share,
+             load_start=[round(x, 2) for x in load_start], load_end=[round(x, 2) for x in os.getloadavg()],
+             guards={"step_s": STEP_TIMEOUT, "verdict_s": VERDICT_WAIT,
+                     "scaled_by": f"1-min load per CPU at the step's start, 1 to {MAX_LOAD_FACTOR:g}",
+                     "load_scaled_env": {k: f"{v}={b} s, scaled" for k, (v, b) in LOAD_SCALED_ENV.items()}})
     cmd = ["crabd", "bench", "zdtm", *(argv if argv is not None else sys.argv[1:])]
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)

@@ -173,6 +173,16 @@ class CapturePipeline(DaemonBase):
                     d["thaw"] = time.monotonic() - t
                 d["pause"] = time.monotonic() - t_freeze
 
+    def _drop_commit(self, name: str) -> str | None:
+        """Remove committed snapshot `name` (the sandbox's active key, its
+        child, takes its parent); None once gone, `name` if it stays."""
+        try:
+            self.fs.remove(name, reparent=True)
+            return None
+        except Exception:
+            log.warning("could not drop snapshot %s (it keeps crabd's link-remap links)", name, exc_info=True)
+            return name
+
     @contextlib.contextmanager
     def _inspector_pause(self, sid: str, d: dict[str, float]) -> Iterator[None]:
         """Tell the inspector about crabd's own pause of the sandbox (freeze,
@@ -227,6 +237,11 @@ class CapturePipeline(DaemonBase):
             error = str(e)
             proc_bytes = 0
             fs_done = getattr(e, "fs_result", None)
+            if fs_done is not None and getattr(e, "committed_links", None):
+                # The commit holds crabd's links for a dump that failed
+                # (runtime/linkremap.py), gone from the live sandbox since:
+                # commit its files again without them.
+                fs_done = self._drop_commit(ck.id)
             if fs_done is None:
                 # The dump was refused before the file system was committed
                 # (or the commit itself failed): take the FS checkpoint now.

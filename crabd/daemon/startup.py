@@ -182,6 +182,10 @@ class Startup(DaemonBase):
     def _recover_pending(self) -> None:
         """Pending checkpoints were not durable when the daemon died: discard
         them (their snapshot, if any, goes too). Committed ones are intact."""
+        from ..runtime.linkremap import recover as recover_links
+        n = recover_links(self.runtime.state_dir)  # before the thaw: the sandbox never sees them
+        if n:
+            log.info("removed %d link-remap link(s) a dump or restore cut short left in sandboxes", n)
         self._discard_leftover_standbys()
         for ck in self.store.pending_checkpoints():
             self.store.fail_checkpoint(ck.id, "discarded: crabd stopped before this checkpoint was durable")

@@ -41,7 +41,7 @@ from deltafs import is_mountpoint, mount_all
 from ..errors import CommandFailed, FailedPrecondition, SandboxNotRunning
 from ..runner import Completed, SubprocessRunner
 from .cgroups import Freezer, unified_freezer
-from .linkremap import cleanup_restore, link_open_unlinked, prepare_restore, unlink_all
+from .linkremap import cleanup_restore, journal, link_open_unlinked, prepare_restore, unlink_all
 from .procfs import cgroup_procs, ns_pid, rss_bytes, task_stat, tcp_connected, time_namespaces
 from .sandbox import Runtime, Sandbox
 
@@ -93,7 +93,9 @@ def checkpoint_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, check
     On a CRIU refusal raises deltacr.CriuFailed (CRIU's reasons, the log kept
     in store.log_dir(checkpoint_id)); the sandbox keeps running as it was.
     If `fs_commit` had succeeded, the error's `.fs_result` holds what it
-    returned (a file-system checkpoint without its processes)."""
+    returned (a file-system checkpoint without its processes), and
+    `.committed_links` the link-remap links that commit holds (linkremap.py):
+    the caller must commit the files again without them."""
     sb = _running(rt, sandbox_ref)
     if store.exists(checkpoint_id):
         raise AlreadyExists(f"checkpoint {checkpoint_id!r} already has a process image")
@@ -128,10 +130,11 @@ def checkpoint_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, check
     remaps: list[dict[str, Any]] = []
     missed: list[str] = []
     used = opts
+    links_journal = journal(rt.state_dir, f"dump-{sb.id}")  # for a crash before they are removed
 
     def commit() -> Any:
         nonlocal remaps, missed
-        remaps, missed = link_open_unlinked(cgroup_procs(freezer.dir / "cgroup.procs"))
+        remaps, missed = link_open_unlinked(cgroup_procs(freezer.dir / "cgroup.procs"), sb.rootfs, links_journal)
         assert fs_commit is not None
         return fs_commit()
 
@@ -145,7 +148,7 @@ def checkpoint_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, check
         try:
             return runc.checkpoint(sb.id, img, logs, used)
         finally:
-            unlink_all(sb.rootfs, remaps)  # still frozen: the sandbox never sees them
+            unlink_all(sb.rootfs, remaps, links_journal)  # still frozen: the sandbox never sees them
 
     try:
         dumped = False
@@ -153,15 +156,21 @@ def checkpoint_processes(rt: Runtime, sandbox_ref: str, store: ImageStore, check
             cap = capture_consistent(freezer.freeze, (lambda: None) if was_frozen else freezer.thaw, dump,
                                      commit if fs_commit is not None else None)
             dumped = True
-        except CriuFailed as e:
-            kept = store.log_dir(checkpoint_id)
-            kept.mkdir(parents=True, exist_ok=True)
-            if e.log_path and os.path.isfile(e.log_path):
-                shutil.copyfile(e.log_path, kept / "dump.log")
-                e.log_path = str(kept / "dump.log")
+        except BaseException as e:
+            if isinstance(e, CriuFailed):
+                kept = store.log_dir(checkpoint_id)
+                kept.mkdir(parents=True, exist_ok=True)
+                if e.log_path and os.path.isfile(e.log_path):
+                    shutil.copyfile(e.log_path, kept / "dump.log")
+                    e.log_path = str(kept / "dump.log")
+            # Failed or refused after the FS commit: that commit holds crabd's
+            # links, which no process image will use; the caller replaces it
+            # (`committed_links`, pipeline._capture_proc).
+            if remaps and getattr(e, "fs_result", None) is not None:
+                e.committed_links = list(remaps)  # type: ignore[attr-defined]
             raise
         finally:
-            unlink_all(sb.rootfs, remaps)  # the FS commit or the dump failed
+            unlink_all(sb.rootfs, remaps, links_journal)  # the FS commit or the dump failed
             if criu_conf is not None:
                 _set_criu_config(rt, sb, criu_conf, on=False)
             if not dumped:
@@ -403,7 +412,9 @@ def restore_into(rt: Runtime, store: ImageStore, checkpoint_id: str, container_i
                   runc: Runc, opts: RestoreOptions, image: Path) -> int:
     work = store.tmpdir("restore-")
     remaps = store.manifest(checkpoint_id).meta.get("link_remaps") or []
-    made = prepare_restore(bundle / "rootfs", image, remaps) if remaps else []
+    # its own: a standby's restore runs under the sandbox's id beside the sandbox's dump
+    links_journal = journal(rt.state_dir, f"restore-{container_id}-{secrets.token_hex(4)}")
+    made = prepare_restore(bundle / "rootfs", image, remaps, links_journal) if remaps else []
     try:
         try:
             return runc.restore(container_id, bundle, image, work, opts)
@@ -417,7 +428,7 @@ def restore_into(rt: Runtime, store: ImageStore, checkpoint_id: str, container_i
             raise
     finally:
         if remaps:
-            cleanup_restore(bundle / "rootfs", remaps, made)
+            cleanup_restore(bundle / "rootfs", remaps, made, links_journal)
         shutil.rmtree(work, ignore_errors=True)
 
 

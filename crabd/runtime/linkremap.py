@@ -19,6 +19,13 @@ afterwards (CRIU removes its own). Only files on the sandbox's root mount
 are handled; one elsewhere (a tmpfs) leaves link-remap off, and CRIU's
 dump fails as before, the reason in the checkpoint.
 
+A dump that fails or is refused after the FS commit leaves the links in
+that commit: the caller drops it and commits the files again without them
+(criu.py's `committed_links`, daemon/pipeline.py). Links crabd made in a
+live sandbox outlive a crash of crabd between making and removing them, so
+each set is first written to a journal (`<state>/link-remaps/<id>.json`,
+`journal`); `recover` at the daemon's start removes what a journal names.
+
     remaps, missed = link_open_unlinked(pids)  # frozen, before the FS commit
     ... FS commit; dump with DumpOptions(link_remap=bool(remaps)) ...
     unlink_all(rootfs, remaps)                   # still frozen
@@ -28,6 +35,7 @@ dump fails as before, the reason in the checkpoint.
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import stat
@@ -36,7 +44,8 @@ from typing import Any
 
 from deltacr.store import linked_remaps
 
-__all__ = ["link_open_unlinked", "unlink_all", "prepare_restore", "cleanup_restore", "LINK_PREFIX"]
+__all__ = ["link_open_unlinked", "unlink_all", "prepare_restore", "cleanup_restore", "LINK_PREFIX", "journal",
+           "recover"]
 
 log = logging.getLogger("crabd.runtime.linkremap")
 
@@ -123,16 +132,73 @@ def _linkat_empty_path(fd: int, dir_fd: int, name: str) -> None:
         raise OSError(err, os.strerror(err), name)
 
 
-def link_open_unlinked(pids: list[int]) -> tuple[list[dict[str, Any]], list[str]]:
+JOURNAL_DIR = "link-remaps"
+
+
+def journal(state_dir: Path, name: str) -> Path:
+    """Where the links crabd is about to make in `name`'s root are written
+    first (a sandbox id, or a restore's container id)."""
+    return state_dir / JOURNAL_DIR / f"{name}.json"
+
+
+def _write_journal(path: Path, rootfs: Path, links: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"rootfs": str(rootfs), "links": links}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _drop_journal(path: Path | None) -> None:
+    if path is not None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def recover(state_dir: Path) -> int:
+    """At the daemon's start: remove the links each journal names (crabd
+    stopped between making and removing them; the sandbox may still be
+    frozen), then the journal. Returns how many links went."""
+    n = 0
+    for path in sorted((state_dir / JOURNAL_DIR).glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+            rootfs = Path(data["rootfs"])
+            for r in data["links"]:
+                try:
+                    os.unlink(_inside(rootfs, r["link"]))
+                    n += 1
+                except FileNotFoundError:
+                    pass
+        except (OSError, ValueError, KeyError, TypeError):
+            log.warning("link-remap journal %s", path, exc_info=True)
+        _drop_journal(path)
+    for tmp in (state_dir / JOURNAL_DIR).glob("*.tmp"):
+        _drop_journal(tmp)  # written before any link was made
+    return n
+
+
+def link_open_unlinked(pids: list[int], rootfs: Path | None = None,
+                       journal_path: Path | None = None) -> tuple[list[dict[str, Any]], list[str]]:
     """Make crabd's hard link next to each open, unlinked, still-linked
     file of `pids` (see the module doc). Returns (the links made, as
     {"orig", "link"} paths in the sandbox's view; the files it could not
     link, with the reason). A file not on the sandbox's root mount cannot
-    be kept by the FS commit: a reason."""
+    be kept by the FS commit: a reason. With `journal_path` (and the
+    sandbox's `rootfs` on the host), the links are written there before
+    they are made; `unlink_all` with the same path removes it."""
     made: list[dict[str, Any]] = []
     missed: list[str] = []
-    for (_, ino), (pid, proc_path, orig) in sorted(_candidates(pids).items()):
-        link = f"{os.path.dirname(orig).rstrip('/')}/{LINK_PREFIX}{ino}"
+    found = sorted(_candidates(pids).items())
+    planned = [(ino, pid, proc_path, orig, f"{os.path.dirname(orig).rstrip('/')}/{LINK_PREFIX}{ino}")
+               for (_, ino), (pid, proc_path, orig) in found]
+    if planned and journal_path is not None and rootfs is not None:
+        _write_journal(journal_path, rootfs, [{"orig": o, "link": ln} for _, _, _, o, ln in planned])
+    for _, pid, proc_path, orig, link in planned:
         why = _link_one(pid, proc_path, link)
         if why is None:
             made.append({"orig": orig, "link": link})
@@ -141,7 +207,8 @@ def link_open_unlinked(pids: list[int]) -> tuple[list[dict[str, Any]], list[str]
     return made, missed
 
 
-def unlink_all(rootfs: Path, remaps: list[dict[str, Any]]) -> None:
+def unlink_all(rootfs: Path, remaps: list[dict[str, Any]], journal_path: Path | None = None) -> None:
+    """Remove the links `remaps` names from `rootfs`, then `journal_path`."""
     for r in remaps:
         try:
             os.unlink(_inside(rootfs, r["link"]))
@@ -149,12 +216,18 @@ def unlink_all(rootfs: Path, remaps: list[dict[str, Any]]) -> None:
             pass
         except OSError:
             log.warning("could not remove %s from %s", r["link"], rootfs, exc_info=True)
+    _drop_journal(journal_path)
 
 
-def prepare_restore(rootfs: Path, image_dir: Path, remaps: list[dict[str, Any]]) -> list[str]:
+def prepare_restore(rootfs: Path, image_dir: Path, remaps: list[dict[str, Any]],
+                    journal_path: Path | None = None) -> list[str]:
     """Link each of crabd's kept links under the name CRIU's image asks for;
-    returns the names made (for `cleanup_restore`)."""
+    returns the names made (for `cleanup_restore`). With `journal_path`,
+    crabd's links and those names are written there first."""
     wanted = linked_remaps(image_dir)
+    if journal_path is not None:
+        names = [{"link": wanted[r["orig"]]} for r in remaps if r["orig"] in wanted]
+        _write_journal(journal_path, rootfs, list(remaps) + names)
     made = []
     for r in remaps:
         name = wanted.get(r["orig"])
@@ -171,7 +244,8 @@ def prepare_restore(rootfs: Path, image_dir: Path, remaps: list[dict[str, Any]])
     return made
 
 
-def cleanup_restore(rootfs: Path, remaps: list[dict[str, Any]], made: list[str]) -> None:
+def cleanup_restore(rootfs: Path, remaps: list[dict[str, Any]], made: list[str],
+                    journal_path: Path | None = None) -> None:
     """After a restore, failed or not: crabd's links and any of CRIU's
     names it left (a successful restore removes its own)."""
-    unlink_all(rootfs, remaps + [{"link": n} for n in made])
+    unlink_all(rootfs, remaps + [{"link": n} for n in made], journal_path)

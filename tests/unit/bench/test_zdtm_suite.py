@@ -238,3 +238,17 @@ def test_share_runs_fork_dump_continue_and_rollback_on_one_sandbox_after_the_res
     calls.clear()
     assert [o.variant for o in Steps().run_test(ZdtmTest("bad", []), list(zdtm.VARIANTS))] == ["native"]
     assert calls == [("native",)]
+
+
+def test_hang_guards_scale_with_the_load_per_cpu_within_bounds():
+    assert zdtm.load_factor(0.5, 2) == 1.0           # an idle host: the base guard
+    assert zdtm.load_factor(14.0, 2) == 6.0          # capped: a real hang still ends
+    assert zdtm.load_factor(6.0, 2) == 3.0
+    assert zdtm.guard(90.0, 3.0) == 270.0
+    assert zdtm.load_env("poll", 3.0) == {"ZDTM_DELTA": "15"}
+    assert zdtm.load_env("pipe00", 3.0) == {}
+
+
+def test_no_verdict_names_the_wait_it_gave():
+    ok, why = zdtm.read_verdict("@@noout 90\nwaiting\n")
+    assert not ok and why.startswith("no verdict 90 s after SIGTERM") and why.endswith("waiting")
