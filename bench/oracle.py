@@ -404,6 +404,18 @@ class _Prefetch:
         self.pool.shutdown(wait=True)
 
 
+@dataclass
+class Session:
+    """One played session, waiting for its comparisons."""
+    sid: str
+    turns: list[Turn]
+    out: Outcome
+    label: str
+    ck_turn: dict[str, int] = field(default_factory=dict)
+    found: list[dict[str, Any]] = field(default_factory=list)   # by the faults (rollbacks), as they ran
+    cks: list[dict[str, Any]] = field(default_factory=list)     # its checkpoints, settled
+
+
 class Oracle:
     def __init__(self, a: argparse.Namespace) -> None:
         self.a = a
@@ -414,7 +426,10 @@ class Oracle:
         self.cache: _HashCache | None = None
         self._client: Any = None
         self.plant_done = False
+        # by checkpoint id, over all sessions (a session is compared beside the next one's turns)
         self.ck_info: dict[str, dict[str, Any]] = {}
+        self.exec_ns: dict[str, tuple[int, int]] = {}
+        self.pending: Any = None   # the comparison running beside the session (a Future)
 
     # daemon -----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -444,7 +459,14 @@ class Oracle:
 
     # one session ------------------------------------------------------------------------------
     def run_session(self, turns: list[Turn], out: Outcome, label: str) -> list[dict[str, Any]]:
-        """Play `turns` in a new sandbox; return every false negative found (also counted in `out`)."""
+        """Play `turns` in a new sandbox, then compare its checkpoints; return
+        every false negative found (also counted in `out`)."""
+        return self.finish_session(self.play_session(turns, out, label))
+
+    def play_session(self, turns: list[Turn], out: Outcome, label: str) -> Session:
+        """Play `turns` in a new sandbox (the comparisons are `finish_session`'s).
+        A crabd kill waits first for the comparison running beside (`pending`):
+        a restart would fail its forks."""
         c = self.client()
         t0 = time.monotonic()
         sid = c.create_sandbox(IMAGE)["id"]
@@ -457,9 +479,9 @@ class Oracle:
             self.cache = _HashCache(time.time_ns())
             # one cold read now (frozen), not one in each fork thread at once
             self._read_live(sid)
-        found: list[dict[str, Any]] = []
-        ck_turn: dict[str, int] = {}
-        self.exec_ns: dict[str, tuple[int, int]] = {}
+        sess = Session(sid, turns, out, label)
+        ck_turn = sess.ck_turn
+        ok = False
         try:
             setup = ("mkdir -p /opt/oracle /work/d /dev/oracle && cat > " + AGENT_IN + " && "
                      + " && ".join(f"ln -sfn {t} {ln}" for ln, t in LINKS.items()))
@@ -474,16 +496,18 @@ class Oracle:
                     got = self._kill_sandbox(sid, out, label, i, ck_turn)
                 elif t.fault == "rollback":
                     got = self._rollback(sid, out, label, i, ck_turn)
+                elif t.fault and t.fault.startswith("daemon-kill"):
+                    self.drain(out)  # before the turn: the kill's delay after it is the drawn one
                 for f in got:
                     f["found_at_turn"] = i  # the session up to here shows it
-                found += got
+                sess.found += got
                 t_exec = time.monotonic()
                 try:
                     rep = self.client().exec(sid, t.argv(), timeout=60)
                     ck_turn[rep["checkpoint"]] = i
                     self.exec_ns[rep["checkpoint"]] = (int(t_exec * 1e9), time.monotonic_ns())
                 except Exception as e:  # recorded; the session goes on as an agent would
-                    out.not_compared["exec_error"] = out.not_compared.get("exec_error", 0) + 1
+                    out.missed("exec_error")
                     if self.a.verbose:
                         print(f"{label} turn {i}: exec failed: {e}", file=sys.stderr)
                 out.took("exec", t_exec)
@@ -494,13 +518,38 @@ class Oracle:
                     if t.fault == "daemon-kill-twice":
                         self.restart()
                 time.sleep(t.wait_ms / 1000)
-            found += self._compare_all(sid, turns, out, label, ck_turn)
+            # (the comparison beside may be slower: this read of the rows is not)
+            t0 = time.monotonic()
+            sess.cks = self._wait_captured(sid)
+            out.took("wait_captures", t0)
+            ok = True
         finally:
+            if not ok:
+                self._delete(sid)
+        return sess
+
+    def finish_session(self, sess: Session) -> list[dict[str, Any]]:
+        """Compare every checkpoint of a played session with its ground truth, then delete its sandbox."""
+        try:
+            return sess.found + self._compare_all(sess)
+        finally:
+            self._delete(sess.sid)
+
+    def drain(self, out: Outcome) -> None:
+        """Wait for the comparison running beside the session, if any (its result is taken by main)."""
+        if self.pending is not None:
+            t0 = time.monotonic()
             try:
-                self.client().delete_sandbox(sid)
+                self.pending.result()
             except Exception:
-                pass
-        return found
+                pass  # raised again where the result is taken
+            out.took("wait_beside", t0)
+
+    def _delete(self, sid: str) -> None:
+        try:
+            self.client().delete_sandbox(sid)
+        except Exception:
+            pass
 
     def _wait_captured(self, sid: str) -> list[dict[str, Any]]:
         return settled_checkpoints(self.client(), sid, 180)
@@ -538,7 +587,7 @@ class Oracle:
         if parent is not None and "mono_ns" in parent:
             # what happened when, in ms after the parent's capture instant (its freeze)
             z = parent["mono_ns"]
-            ex = getattr(self, "exec_ns", {}).get(ck["id"])
+            ex = self.exec_ns.get(ck["id"])
             own = self._truth(ck["id"]) or (truths or {}).get(ck["id"]) or {}
             pd = (self.ck_info.get(ck.get("parent") or "") or {}).get("durations") or {}
             rec["timeline_ms"] = {"turn_exec": [round((x - z) / 1e6) for x in ex] if ex else None,
@@ -550,20 +599,18 @@ class Oracle:
         out.false_negatives.append(rec)
         return rec
 
-    def _compare_all(self, sid: str, turns: list[Turn], out: Outcome, label: str,
-                     ck_turn: dict[str, int]) -> list[dict[str, Any]]:
-        found = []
-        t0 = time.monotonic()
-        cks = self._wait_captured(sid)
-        self.ck_info = {ck["id"]: ck for ck in cks}
-        out.took("wait_captures", t0)
+    def _compare_all(self, sess: Session) -> list[dict[str, Any]]:
+        found: list[dict[str, Any]] = []
+        out, label, ck_turn, cks = sess.out, sess.label, sess.ck_turn, sess.cks
+        self.ck_info.update({ck["id"]: ck for ck in cks})
         truths: dict[str, dict[str, Any]] = {}
         restored_of: dict[str, tuple[tuple[Any, Any], dict[str, Any]]] = {}
         lost: dict[str, set[str]] = {}   # checkpoint -> the paths of what its restore lost
-        refused = refused_dumps(cks)
+        refused, notified = refused_dumps(cks), inotify_declared(cks)
         forks = _Prefetch(lambda ck: self._fork_and_read(ck, out), self._forks_needed(cks))
         try:
-            return self._compare_each(cks, forks, truths, restored_of, lost, refused, found, out, label, ck_turn)
+            return self._compare_each(cks, forks, truths, restored_of, lost, refused, notified, found, out, label,
+                                      ck_turn)
         finally:
             forks.close()
 
@@ -584,7 +631,7 @@ class Oracle:
 
     def _compare_each(self, cks: list[dict[str, Any]], forks: _Prefetch, truths: dict[str, dict[str, Any]],
                       restored_of: dict[str, tuple[tuple[Any, Any], dict[str, Any]]], lost: dict[str, set[str]],
-                      refused: set[str], found: list[dict[str, Any]], out: Outcome, label: str,
+                      refused: set[str], notified: set[str], found: list[dict[str, Any]], out: Outcome, label: str,
                       ck_turn: dict[str, int]) -> list[dict[str, Any]]:
         for ck in cks:
             if ck["seq"] == 0:
@@ -592,7 +639,7 @@ class Oracle:
             out.plans[ck["plan"]] = out.plans.get(ck["plan"], 0) + 1
             truth = self._truth(ck["id"])
             if truth is None:
-                out.not_compared["no_ground_truth"] = out.not_compared.get("no_ground_truth", 0) + 1
+                out.missed("no_ground_truth")
                 continue
             truths[ck["id"]] = truth
             out.count(truth, "truth")
@@ -600,13 +647,13 @@ class Oracle:
                 out.phases["exec.truth_read"] = round(out.phases.get("exec.truth_read", 0.0)
                                                       + truth.get("read_ms", 0.0) / 1000, 3)
             if ck["state"] != "committed":
-                out.not_compared[f"checkpoint_{ck['state']}"] = out.not_compared.get(f"checkpoint_{ck['state']}", 0) + 1
+                out.missed(f"checkpoint_{ck['state']}")
                 continue
             if any("not a recovery target" in r for r in ck.get("reasons") or []):
-                out.not_compared["not_a_recovery_target"] = out.not_compared.get("not_a_recovery_target", 0) + 1
+                out.missed("not_a_recovery_target")
                 continue
             if not truth["mounts"]:  # the sandbox was not running at its capture: nothing to read
-                out.not_compared["truth_unreadable"] = out.not_compared.get("truth_unreadable", 0) + 1
+                out.missed("truth_unreadable")
                 continue
             if ck["plan"] == "FS_PROC":
                 out.fs_proc += 1
@@ -636,8 +683,10 @@ class Oracle:
             diffs = compare(truth, restored)
             out.compared += 1
             if ck["id"] in refused:
-                out.not_compared["processes_dump_refused"] = out.not_compared.get("processes_dump_refused", 0) + 1
+                out.missed("processes_dump_refused")
                 diffs = declared(diffs, truth)
+            if ck["id"] in notified:
+                diffs = _undeclared_inotify(diffs, out)
             if diffs:
                 f = self._fn(out, label, "fork", ck, ck_turn.get(ck["id"]), diffs, truths)
                 if restored.get("restore_failed"):
@@ -704,9 +753,12 @@ class Oracle:
             return []
         diffs = compare(truth, self._read_live(sid))
         out.compared += 1
-        if ck["id"] in refused_dumps(self.client().checkpoints(sid, all=True)):
-            out.not_compared["processes_dump_refused"] = out.not_compared.get("processes_dump_refused", 0) + 1
+        cks = self.client().checkpoints(sid, all=True)
+        if ck["id"] in refused_dumps(cks):
+            out.missed("processes_dump_refused")
             diffs = declared(diffs, truth)
+        if ck["id"] in inotify_declared(cks):
+            diffs = _undeclared_inotify(diffs, out)
         return [self._fn(out, label, "rollback", ck, ck_turn.get(ck["id"]), diffs)] if diffs else []
 
     def _kill_sandbox(self, sid: str, out: Outcome, label: str, i: int,
@@ -777,6 +829,49 @@ def refused_dumps(cks: list[dict[str, Any]]) -> set[str]:
         if refused(c):
             out.add(c["id"])
     return out
+
+
+INOTIFY_DECLARED = "not restored: inotify events waiting"
+
+
+def inotify_declared(cks: list[dict[str, Any]]) -> set[str]:
+    """The checkpoints whose restore crabd says loses the events waiting in
+    an inotify instance (CRIU restores the instance and its watches, not its
+    queue): the checkpoint that dumped the processes names it among its
+    reasons, and the checkpoints that share its process image inherit it."""
+    by_id = {c["id"]: c for c in cks}
+    out: set[str] = set()
+    for ck in cks:
+        c: dict[str, Any] | None = ck
+        while c is not None:
+            if any(str(r).startswith(INOTIFY_DECLARED) for r in c.get("reasons") or []):
+                out.add(ck["id"])
+                break
+            p = by_id.get(c.get("parent") or "")
+            c = p if p is not None and p.get("proc_image") and p.get("proc_image") == c.get("proc_image") else None
+    return out
+
+
+def _inotify_queue_only(t: Any, r: Any) -> bool:
+    """Two fd tables that differ only in the queue of inotify instances (the restored one empty)."""
+    if not isinstance(t, dict) or not isinstance(r, dict) or set(t) != set(r):
+        return False
+    for fd, tv in t.items():
+        rv = r[fd]
+        if tv == rv:
+            continue
+        if not (str(tv).startswith("anon_inode:inotify ") and str(rv).endswith(" queued=0")
+                and str(tv).rsplit(" queued=", 1)[0] == str(rv).rsplit(" queued=", 1)[0]):
+            return False
+    return True
+
+
+def _undeclared_inotify(diffs: list[Any], out: Outcome) -> list[Any]:
+    """`diffs` without the lost inotify queues crabd declared (counted in `out`)."""
+    keep = [d for d in diffs if not (d.where == "process" and d.what == "fds" and _inotify_queue_only(d.truth, d.restored))]
+    if len(keep) < len(diffs):
+        out.missed("inotify_events_declared_lost")
+    return keep
 
 
 def declared(diffs: list[Any], truth: dict[str, Any]) -> list[Any]:
@@ -883,6 +978,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--plant", action="store_true",
                     help="self-test: compare one checkpoint with its parent's ground truth (must be reported)")
     ap.add_argument("--inspector", choices=["bpf", "proc"], default="bpf")
+    ap.add_argument("--serial", action="store_true",
+                    help="compare each session's checkpoints before the next session starts (default: beside "
+                         "the next session's turns, one session at a time)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=None, help="also write the JSON here, after every session")
     ap.add_argument("--verbose", action="store_true")
@@ -907,23 +1005,42 @@ def main(argv: list[str] | None = None) -> int:
                       TextColumn("{task.fields[fn]} FN"), TimeElapsedColumn(), console=console,
                       transient=a.json) as prog:
             task = prog.add_task("turns", total=total, fn=0)
-            n = 0
-            while out.turns < total:
-                n += 1
-                turns = gen.session(min(a.session, total - out.turns))
-                label = f"s{n}"
-                found = o.run_session(turns, out, label)
+            from concurrent.futures import ThreadPoolExecutor
+            beside = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oracle-compare")
+            played: Session | None = None   # its comparison is o.pending
+
+            def collect() -> None:
+                """Take the comparison running beside (one at most), report it, shrink what it found."""
+                nonlocal played
+                if played is None:
+                    return
+                sess, fut, played = played, o.pending, None
+                found = fut.result()
+                o.pending = None
                 for f in found:
-                    f["session_turns"] = [t.to_dict() for t in turns]
+                    f["session_turns"] = [t.to_dict() for t in sess.turns]
                     if f["family"] not in shrunk and shrink_s > 0 and isinstance(f.get("turn"), int):
-                        shrunk[f["family"]] = o.shrink(turns, f, shrink_s, label)
+                        shrunk[f["family"]] = o.shrink(sess.turns, f, shrink_s, sess.label)
                         f["minimal"] = shrunk[f["family"]]
                 prog.update(task, completed=out.turns, fn=len(out.false_negatives))
-                if a.out:  # a long run can be read while it goes on
+                if a.out:  # a long run can be read while it goes on (nothing runs beside now)
                     Path(a.out).write_text(json.dumps(result(a, o, out, shrunk, t0), indent=1, default=str))
                 if a.verbose:
-                    console.log(f"session {label}: {out.turns}/{total} turns, {out.compared} compared, "
+                    console.log(f"session {sess.label}: {out.turns}/{total} turns, {out.compared} compared, "
                                 f"{len(out.false_negatives)} FN, plans {out.plans}, faults {out.faults}")
+
+            try:
+                n = 0
+                while out.turns < total:
+                    n += 1
+                    sess = o.play_session(gen.session(min(a.session, total - out.turns)), out, f"s{n}")
+                    collect()   # the previous session's comparison (it ran beside this one's turns)
+                    played, o.pending = sess, beside.submit(o.finish_session, sess)
+                    if a.serial:
+                        collect()
+                collect()
+            finally:
+                beside.shutdown(wait=True)
     finally:
         o.close()
     res = result(a, o, out, shrunk, t0)
