@@ -51,18 +51,19 @@ http.server.HTTPServer(("127.0.0.1", 8080), H).serve_forever()
 '''
 
 # Probe from inside the sandbox (it has loopback only); retries while the
-# server starts.
+# server starts, for up to 60 s: a server drawing a 200 MiB heap from
+# os.urandom took longer than the 5 s it had at load ~20 (CI beside other work).
 PROBE = r'''
 import sys, time, urllib.request
-for i in range(100):
+deadline = time.monotonic() + 60
+while True:
     try:
         print(urllib.request.urlopen("http://127.0.0.1:8080" + sys.argv[1], timeout=10).read().decode())
         break
     except OSError as e:
-        err = e
+        if time.monotonic() > deadline:
+            sys.exit(f"probe failed: {e}")
         time.sleep(0.05)
-else:
-    sys.exit(f"probe failed: {err}")
 '''
 
 # Processes inside the sandbox as "pid comm", without the lister itself,
