@@ -195,6 +195,7 @@ class TurnRecorder:
         self.outside = tuple(posixpath.normpath(p) for p in outside)
         self.files: dict[str, Sample] = {}
         self.special: dict[str, Sample] = {}
+        self.flags_in_memory: list[str] = []  # inode flags set (chattr) on a memory file system
         self.execs: list[ExecRecord] = []
         self.exec_count = 0
         self.package_managers: set[str] = set()
@@ -293,10 +294,13 @@ class TurnRecorder:
                 if self._fresh.pop(key, None) is not None:
                     self.transient += 1
                     return
-            landed = landed_scope(ev.fsmagic, ev.fsmode) if k == EventKind.OPEN_WRITE else None
-            if landed is None and k != EventKind.LINK and (k != EventKind.OPEN_WRITE or not ev.fsmagic) and \
+            resolved = k in (EventKind.OPEN_WRITE, EventKind.ATTR)  # the kernel side read where the fd's file is
+            landed = landed_scope(ev.fsmagic, ev.fsmode) if resolved else None
+            if landed is None and k != EventKind.LINK and (not resolved or not ev.fsmagic) and \
                     _PROC_FD.match(posixpath.normpath(ev.path or ".")):
                 landed = "held"  # not resolved in the kernel: taken as a file only a process holds
+            if k == EventKind.ATTR and landed == "tmpfs":
+                self.flags_in_memory.append(shown)
             self._file(FILE_KINDS[k], shown, paths, landed)
         elif k == EventKind.EXEC_ARGS:
             self._exec_args[ev.tid] = ev
@@ -391,6 +395,9 @@ class TurnRecorder:
         if waiting:
             notes.append(f"{NOT_RESTORED}inotify events waiting for {_pids_text(waiting)}: a restore gives back "
                          "the instance and its watches, not the events (CRIU)")
+        if self.flags_in_memory:
+            notes.append(f"{NOT_RESTORED}inode flags set on a memory file system ({', '.join(self.flags_in_memory[:3])}): "
+                         "a restore gives back the files of a tmpfs, not their chattr flags (CRIU)")
         if tmpfs_changed:
             # seen by comparing the memory file systems' state (ebpf._tmpfs),
             # whatever path, fd or mapping the change went through

@@ -465,6 +465,8 @@ static __always_inline int finish(long ret)
         fd_fs(ret, &magic, &mode);
         if ((q.arg & O_TMPFILE_) == O_TMPFILE_)
             mode &= ~FS_UNLINKED; /* unnamed by design: a LINK names it later */
+    } else if (q.kind == EV_ATTR) {
+        fd_fs(q.dfd, &magic, &mode); /* flags set on a memory file system: see ebpf._turn */
     }
     if (!q.special && !lands_special(magic, mode) && !may_emit(q.tag, q.kind))
         return 0;

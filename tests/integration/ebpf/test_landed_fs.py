@@ -74,5 +74,10 @@ def test_inode_flags_set_by_ioctl_are_a_file_change(start_daemon):
         _settled(c, sid)
         c.rollback(sid, r["checkpoint"])
         assert c.exec(sid, "lsattr /work/a")["stdout"].split()[0].count("A") == 1
+        # on a tmpfs: process state, and a restore keeps the file, not its
+        # flags (CRIU's tmpfs copy): said in the plan, not silent
+        shm = c.exec(sid, "echo s > /dev/shm/s && chattr +A /dev/shm/s")
+        assert shm["exit_code"] == 0 and shm["plan"] == "FS_PROC", shm
+        assert any(x.startswith("not restored: inode flags set on a memory file system") for x in shm["reasons"]), shm
     finally:
         c.delete_sandbox(sid)

@@ -347,6 +347,11 @@ def test_inode_flags_set_by_ioctl_are_a_file_change(env):
     loader.emit(ev(K.ATTR, tag, path="", dfd=3, arg=FS_IOC_SETFLAGS))
     e = insp.end_turn("sb")
     assert e.files["attr"].sample == ["fd3"] and classify(e).kind is PlanKind.FS
+    # on a memory file system: process state, and CRIU's tmpfs copy keeps no flags: said
+    loader.emit(ev(K.ATTR, tag, path="", dfd=4, arg=FS_IOC_SETFLAGS, fsmagic=0x01021994, fsmode=0o100644))
+    plan = classify(insp.end_turn("sb"))
+    assert plan.kind is PlanKind.FS_PROC
+    assert any(r.startswith("not restored: inode flags set on a memory file system (fd4)") for r in plan.reasons), plan
 
 
 def test_a_file_only_a_process_holds_is_process_state(env):
