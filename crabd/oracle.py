@@ -3,12 +3,14 @@
 crabd's promise is that checkpoint k restores exactly the sandbox's state at
 its capture instant. This module lets a benchmark check that promise:
 
-* `record_at_capture` is the daemon's one hook (`crabd serve --oracle DIR`,
-  called from `Daemon._capture`, crabd/daemon/pipeline.py): while the sandbox's cgroup is frozen at the
-  very instant crabd captures checkpoint k (inside crabd's own freeze for FS
-  and FS_PROC; for SKIP, which takes no freeze, inside one the oracle takes
-  right before the commit, with the inspector told as for crabd's own pause),
-  it writes DIR/<k>.json.zst: the record `read_state` makes of the live sandbox.
+* `record_at_capture` and `open_at_plan` are the daemon's hooks (`crabd serve
+  --oracle DIR`, called from `Daemon._capture`, crabd/daemon/pipeline.py, and
+  where a turn's plan is made, crabd/daemon/turns.py): while the sandbox's
+  cgroup is frozen at the instant checkpoint k claims (inside crabd's own
+  freeze for FS and FS_PROC; for SKIP, which takes no freeze, inside one the
+  oracle takes right when its plan is made, with the inspector told as for
+  crabd's own pause), they write DIR/<k>.json.zst: the record `read_state`
+  makes of the live sandbox.
 * `read_state` is that record: every entry of every mount the sandbox has
   that holds state (its root, /dev, /dev/shm, any other tmpfs or bind),
   read from the host through /proc/<init>/root one component at a time,
@@ -42,6 +44,7 @@ worker) and its comparison belong together: `compare` reads exactly what
 from __future__ import annotations
 
 import base64
+import contextlib
 import errno
 import json
 import os
@@ -665,18 +668,86 @@ def record_at_capture(daemon: Any, ck: Any) -> None:
 
         def checkpoint(key: str, *args: Any, **kw: Any) -> Any:
             c = armed.pop(kw.get("name") or "", None)
-            if c is not None:
+            if c is not None:  # (a SKIP made FS by its capture: its truth is this instant's)
                 _record(daemon, c, frozen_by="crabd")
             return fs_checkpoint(key, *args, **kw)
 
         def commit_checkpoint(cid: str, **fields: Any) -> Any:
             c = armed.pop(cid, None)
-            if c is not None:
-                _record_frozen(daemon, c)
+            if c is not None and cid not in _at_plan(daemon):
+                _record_frozen(daemon, c)  # (a SKIP's truth was taken when its plan was made: open_at_plan)
+            _at_plan(daemon).discard(cid)
             return commit(cid, **fields)
 
         daemon.fs.checkpoint, daemon.store.commit_checkpoint = checkpoint, commit_checkpoint
     armed[ck.id] = ck
+
+
+def _at_plan(daemon: Any) -> set[str]:
+    """The checkpoints whose truth `open_at_plan` recorded (SKIP at their plan)."""
+    got = getattr(daemon, "_oracle_at_plan", None)
+    if got is None:
+        got = daemon._oracle_at_plan = set()
+    return got
+
+
+def open_at_plan(daemon: Any, sid: str, effects: Any, open_checkpoint: Any) -> Any:
+    """Open a turn's checkpoint row (`open_checkpoint()`, where its plan is
+    made, right after the inspector closed the turn) and, when that plan is
+    SKIP, record its ground truth at that instant (oracle mode only; worker
+    thread): a SKIP claims the state the turn left, and whatever a
+    background worker does after the turn's end belongs to the next turn in
+    crabd's model; read later (in the capture job, after the scheduler's
+    queue) the truth would hold that work and the comparison with the
+    parent's restore would report the oracle's own read instant.
+
+    Only a turn the classifier calls SKIP can end with a SKIP plan (a
+    manual checkpoint, a blind record and the capture modes only raise it),
+    so only those are frozen: from before the row is opened to after the
+    read, told to the inspector as crabd's own pause is (its wake-ups are
+    not the next turn's activity). What it costs that turn, in oracle mode
+    only: a freeze, the read (0.5-1.5 s on debian-py at load 2-25) and the
+    inspector's re-baseline (up to its settle time), before the reply.
+    A SKIP that its capture turns into FS (its parent not durable) is
+    recorded again in crabd's freeze (`record_at_capture`)."""
+    import ebpf
+
+    from .runtime.cgroups import Freezer
+    if ebpf.classify(effects).kind.value != "SKIP":
+        return open_checkpoint()
+    try:
+        sb = daemon.runtime.get(sid)
+        freezer: Any = Freezer(daemon.runtime.layout, sb.cgroup_rel)
+        freezer.freeze()
+    except Exception:
+        freezer = None  # not running: nothing moves
+    d: dict[str, float] = {}
+    ck = None
+    try:
+        with daemon._inspector_pause(sid, d) if freezer is not None else _nothing():
+            try:
+                ck = open_checkpoint()
+                if ck.plan == "SKIP":
+                    try:
+                        _record(daemon, ck, frozen_by="oracle-plan" if freezer is not None else None)
+                        _at_plan(daemon).add(ck.id)
+                    except Exception:
+                        import logging
+                        logging.getLogger(__name__).warning("oracle: recording %s failed", ck.id, exc_info=True)
+            finally:
+                if freezer is not None:
+                    freezer.thaw()
+    except Exception:
+        if ck is None:
+            raise
+        import logging
+        logging.getLogger(__name__).warning("oracle: the pause for %s failed", ck.id, exc_info=True)
+    return ck
+
+
+@contextlib.contextmanager
+def _nothing() -> Iterator[None]:
+    yield
 
 
 def _record_frozen(daemon: Any, ck: Any) -> None:
@@ -788,6 +859,31 @@ def _compare_pages(pid: str, t: dict[str, Any] | None, r: dict[str, Any] | None,
     return True
 
 
+_SIGCHLD_BIT = 1 << (17 - 1)
+
+
+def _signals(p: dict[str, Any]) -> dict[str, str]:
+    """A process's signal masks as compared. A SIGCHLD pending on crabd's own
+    init (crabd/runtime/init.c) is left out: the init blocks every signal and
+    reads them from a signalfd, and all it does on SIGCHLD is `reap_all()`
+    (waitpid(-1, WNOHANG) until none), which it also runs after every wake-up
+    of its loop; so the pending bit changes nothing it will do (a zombie whose
+    SIGCHLD was lost is reaped at its next wake-up, the next exec at the
+    latest, and zombies are not in the record). It is set for a moment after
+    each of its children exits (a turn's command, the parent of a double
+    fork), so whether a record holds it is the read instant's artefact: seen
+    in a SKIP's truth, not in its parent's image, which did not have that
+    child at all. CRIU keeps pending signals of the processes it dumps."""
+    sig = dict(p.get("signals") or {})
+    if ".crabd-init" in (p.get("cmdline") or ""):
+        for k in ("SigPnd", "ShdPnd"):
+            try:
+                sig[k] = f"{int(sig.get(k) or '0', 16) & ~_SIGCHLD_BIT:016x}"
+            except ValueError:
+                pass
+    return sig
+
+
 def compare(truth: dict[str, Any], restored: dict[str, Any]) -> list[Difference]:
     """What differs between the ground truth of a checkpoint and the state of
     its restored fork; empty when the restore is exact (up to the fork's own
@@ -807,7 +903,7 @@ def compare(truth: dict[str, Any], restored: dict[str, Any]) -> list[Difference]
             if t.get(k) != r.get(k):
                 out.append(Difference("process", pid, k, t.get(k), r.get(k)))
         ran = _compare_pages(pid, t.get("page"), r.get("page"), out, prog)
-        if t["signals"] != r["signals"] and not ran:
+        if _signals(t) != _signals(r) and not ran:
             out.append(Difference("process", pid, "signals", t["signals"], r["signals"]))
         if t.get("shared", {}) != r.get("shared", {}) and not ran:
             out.append(Difference("app", pid, "shared memory", t.get("shared"), r.get("shared")))
