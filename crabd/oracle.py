@@ -118,13 +118,41 @@ class _HashCache:
 _CACHE = _HashCache(time.time_ns())
 
 
-def _hash_file(dir_fd: int, name: bytes) -> tuple[str, bytes | None]:
+_FS_IOC_GETFLAGS = 0x80086601
+
+
+def _inode_flags(fd: int) -> str:
+    """The inode's flags (FS_IOC_GETFLAGS, what lsattr shows: +A, +i, ...) in
+    hex, "" where the file system has none; a lost flag is a difference."""
+    import fcntl
+    buf = bytearray(4)
+    try:
+        fcntl.ioctl(fd, _FS_IOC_GETFLAGS, buf, True)
+    except OSError:
+        return ""
+    return f"{int.from_bytes(buf, 'little'):x}"
+
+
+def _dir_flags(dir_fd: int, name: bytes) -> str:
+    try:
+        fd = os.open(name, _O_DIR, dir_fd=dir_fd)
+    except OSError:
+        return ""
+    try:
+        return _inode_flags(fd)
+    finally:
+        os.close(fd)
+
+
+def _hash_file(dir_fd: int, name: bytes, flags: list[str] | None = None) -> tuple[str, bytes | None]:
     import blake3
     fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     h = blake3.blake3()
     head = bytearray()
     keep = name.startswith(APPEND_PREFIX.encode())
     try:
+        if flags is not None:
+            flags.append(_inode_flags(fd))
         while True:
             b = os.read(fd, 1 << 20)
             if not b:
@@ -156,27 +184,32 @@ def _xattrs(dir_fd: int, name: bytes) -> str:
 
 
 def _describe(dir_fd: int, name: bytes, st: os.stat_result, cache: _HashCache) -> str:
-    """One entry as `kind|mode|uid:gid|nlink|size|content|target|rdev|xattrs|data` (mtimes left out:
-    a restore need not keep them; content is what matters)."""
+    """One entry as `kind|mode|uid:gid|nlink|size|content|target|rdev|xattrs|data|flags` (mtimes left
+    out: a restore need not keep them; content is what matters; flags: a file's or directory's
+    inode flags, FS_IOC_GETFLAGS)."""
     kind = _KIND.get(stat.S_IFMT(st.st_mode), "?")
     old = st.st_ctime_ns <= cache.before_ns
     key = (name, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode, st.st_uid, st.st_gid)
     if old and key in cache.hashes and not name.startswith(APPEND_PREFIX.encode()):
         cache.hits += 1
         return cache.hashes[key]
-    content = target = data = ""
+    content = target = data = flags = ""
     size = st.st_size if kind in ("f", "l") else 0
     if kind == "f":
         cache.hashed += 1
-        content, head = _hash_file(dir_fd, name)
+        got: list[str] = []
+        content, head = _hash_file(dir_fd, name, got)
         data = base64.b64encode(head).decode() if head is not None else ""
+        flags = got[0] if got else ""
+    elif kind == "d":
+        flags = _dir_flags(dir_fd, name)
     elif kind == "l":
         target = os.readlink(name, dir_fd=dir_fd).hex()  # type: ignore[arg-type]
     rdev = f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}" if kind in ("c", "b") else ""
     xa = _xattrs(dir_fd, name) if kind in ("f", "d") else ""
     nlink = st.st_nlink if kind != "d" else 0  # a dir's link count is the file system's business
     desc = "|".join((kind, f"{stat.S_IMODE(st.st_mode):o}", f"{st.st_uid}:{st.st_gid}", str(nlink), str(size),
-                     content, target, rdev, xa, data))
+                     content, target, rdev, xa, data, flags))
     if old:
         cache.hashes[key] = desc
     return desc
@@ -445,6 +478,8 @@ def _fds(hp: int) -> dict[str, str]:
             if kind == "anon_inode":
                 kind = link  # anon_inode:inotify, anon_inode:[io_uring], ...
             desc = f"{kind} pos={info.get('pos', '').strip()} flags={info.get('flags', '').strip()}"
+            if kind == "file" and link.endswith(" (deleted)"):
+                desc += _held_deleted(hp, n)
             if kind in ("pipe", "socket", "anon_inode:inotify") or (kind == "file" and os.path.exists(
                     f"/proc/{hp}/fd/{n}") and stat.S_ISFIFO(os.stat(f"/proc/{hp}/fd/{n}").st_mode)):
                 copy = libc.syscall(_SYS_PIDFD_GETFD, pidfd, int(n), 0) if pidfd >= 0 else -1
@@ -483,6 +518,28 @@ def _fds(hp: int) -> dict[str, str]:
         if pidfd >= 0:
             os.close(pidfd)
     return out
+
+
+def _held_deleted(hp: int, n: str) -> str:
+    """A deleted regular file a worker holds: its size, content digest and
+    inode flags, read through the worker's fd (/proc/PID/fd/N opens the
+    inode itself). Only its fds name it: a later turn's process may write
+    it through /proc/PID/fd/N, and only the process image keeps it."""
+    import blake3
+    try:
+        fd = os.open(f"/proc/{hp}/fd/{n}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        return f" deleted=E{e.errno}"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return ""
+        h = blake3.blake3()
+        while b := os.read(fd, 1 << 20):
+            h.update(b)
+        return f" deleted size={st.st_size} content={h.hexdigest()[:32]} iflags={_inode_flags(fd)}"
+    finally:
+        os.close(fd)
 
 
 def read_ipc(init_pid: int) -> dict[str, str] | None:
@@ -789,7 +846,7 @@ def _record(daemon: Any, ck: Any, frozen_by: str | None) -> None:
 
 
 # --- comparison (pure) -----------------------------------------------------------------------------
-_FIELDS = ("kind", "mode", "owner", "nlink", "size", "content", "target", "rdev", "xattrs", "data")
+_FIELDS = ("kind", "mode", "owner", "nlink", "size", "content", "target", "rdev", "xattrs", "data", "flags")
 
 
 @dataclass
@@ -825,7 +882,7 @@ def _worker_of(path: str) -> str | None:
 
 def _grew(truth: str, restored: str) -> bool:
     t, r = _fields(truth), _fields(restored)
-    same = all(t.get(k) == r.get(k) for k in ("kind", "mode", "owner", "target", "rdev", "xattrs"))
+    same = all(t.get(k) == r.get(k) for k in ("kind", "mode", "owner", "target", "rdev", "xattrs", "flags"))
     if not same or t.get("kind") != "f":
         return False
     tb, rb = base64.b64decode(t.get("data", "")), base64.b64decode(r.get("data", ""))

@@ -27,7 +27,8 @@ def test_every_drawn_kind_is_declared_and_the_other_process_ops_are_drawn():
             got[k] = got.get(k, 0) + n
     assert set(got) <= set(EFFECT_KINDS), set(got) - set(EFFECT_KINDS)
     for k in ("proc:fd-taken", "ipc:msgsnd", "ipc:shmrm", "ipc:semset", "prio:nice", "prio:rlimit", "prio:sched",
-              "queue:pipe", "queue:fifo", "queue:unix", "queue:inotify", "held:rm", "held:mv", "bg:hold", "bg:ipc", "bg:queue"):
+              "queue:pipe", "queue:fifo", "queue:unix", "queue:inotify", "held:rm", "held:mv", "bg:hold", "bg:ipc", "bg:queue",
+              "bg:holddel", "heldfd:append", "heldfd:truncate", "fs:chattr"):
         assert got.get(k), k
 
 

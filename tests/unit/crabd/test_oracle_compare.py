@@ -355,3 +355,49 @@ def test_a_skip_s_truth_is_recorded_when_its_plan_is_made_and_not_again_at_its_c
         assert calls == [] and not (tmp_path / "sb-3.json.zst").exists()
     finally:
         cg.Freezer = real
+
+
+def test_inode_flags_are_in_the_tree_record_and_a_lost_one_is_a_difference(tmp_path):
+    """chattr +A (FS_IOC_SETFLAGS) changes no byte, mode nor xattr: the
+    record keeps the inode's flags, so a restore that lost one differs."""
+    import pytest
+
+    from bench.oracle_agent import op_chattr
+    (tmp_path / "f").write_bytes(b"x")
+    top = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        before = _walk_mount(top, (), _HashCache(0))
+        try:
+            op_chattr(str(tmp_path / "f"), "+A")
+        except OSError as e:
+            pytest.skip(f"{tmp_path}'s file system has no inode flags: {e}")
+        after = _walk_mount(top, (), _HashCache(0))
+    finally:
+        os.close(top)
+    assert before["f"] != after["f"]
+    truth, restored = _record(), _record()
+    truth["mounts"]["/"]["entries"]["work/a"] = after["f"]
+    restored["mounts"]["/"]["entries"]["work/a"] = before["f"]
+    assert [(x.path, x.what) for x in compare(truth, restored)] == [("/work/a", "flags")]
+
+
+def test_a_held_deleted_file_s_content_is_recorded_through_the_holder_s_fd(tmp_path):
+    """A deleted file only a worker's fd names: written through /proc/PID/fd/N
+    by a later turn, its content is in the record of the worker's fds."""
+    from crabd.oracle import _held_deleted
+    p = tmp_path / "held"
+    fd = os.open(p, os.O_RDWR | os.O_CREAT)
+    try:
+        os.write(fd, b"abc")
+        os.unlink(p)
+        a = _held_deleted(os.getpid(), str(fd))
+        w = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_APPEND)
+        os.write(w, b"d")
+        os.close(w)
+        b = _held_deleted(os.getpid(), str(fd))
+        os.truncate(f"/proc/self/fd/{fd}", 1)
+        c = _held_deleted(os.getpid(), str(fd))
+    finally:
+        os.close(fd)
+    assert "size=3" in a and "size=4" in b and "size=1" in c
+    assert len({x.split("content=")[1] for x in (a, b, c)}) == 3
