@@ -916,6 +916,11 @@ def _compare_pages(pid: str, t: dict[str, Any] | None, r: dict[str, Any] | None,
     return True
 
 
+def _held(p: dict[str, Any]) -> dict[str, str]:
+    """The deleted files a process holds, by fd (`_held_deleted`'s part of its fds)."""
+    return {n: d.split(" deleted", 1)[1] for n, d in (p.get("fds") or {}).items() if " deleted" in d}
+
+
 _SIGCHLD_BIT = 1 << (17 - 1)
 
 
@@ -966,6 +971,8 @@ def compare(truth: dict[str, Any], restored: dict[str, Any]) -> list[Difference]
             out.append(Difference("app", pid, "shared memory", t.get("shared"), r.get("shared")))
         if t.get("fds") != r.get("fds") and not ran:
             out.append(Difference("process", pid, "fds", t.get("fds"), r.get("fds")))
+        elif _held(t) != _held(r):  # no worker writes the deleted file it holds: its progress excuses nothing
+            out.append(Difference("process", pid, "held deleted file", _held(t), _held(r)))
     # A SysV segment a worker that ran on after the restore has attached
     # (its `shared` region holds the same bytes) changed with its progress
     ran_sysv = {h for pid, p in rp.items() if p.get("page") and p["page"]["name"] in prog.advanced

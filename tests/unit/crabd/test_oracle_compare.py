@@ -401,3 +401,13 @@ def test_a_held_deleted_file_s_content_is_recorded_through_the_holder_s_fd(tmp_p
         os.close(fd)
     assert "size=3" in a and "size=4" in b and "size=1" in c
     assert len({x.split("content=")[1] for x in (a, b, c)}) == 3
+
+
+def test_a_held_deleted_file_that_differs_is_reported_even_when_its_worker_ran_on():
+    truth = _with_worker(_record(), _page("w1", 1, "a" * 64, [(1, "a" * 32)]))
+    truth["processes"]["7"]["fds"] = {"9": "file pos=0 flags=02 deleted size=4 content=aa iflags=0"}
+    restored = _with_worker(_record(), _page("w1", 2, "b" * 64, [(1, "a" * 32), (2, "b" * 32)]))
+    restored["processes"]["7"]["fds"] = {"9": "file pos=0 flags=02 deleted size=3 content=bb iflags=0"}
+    assert [(x.path, x.what) for x in compare(truth, restored)] == [("7", "held deleted file")]
+    restored["processes"]["7"]["fds"] = dict(truth["processes"]["7"]["fds"])
+    assert compare(truth, restored) == []
