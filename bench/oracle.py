@@ -126,7 +126,8 @@ class Generator:
         # killed around a capture; B: worker timers that may fire right after
         # crabd's pause; C: tmpfs reached by a relative path or a symlink),
         # nor of a loss found since and not fixed (events queued in an older
-        # process's inotify instance: a restore gives it back empty), so
+        # process's inotify instance: a restore gives it back empty; inode
+        # flags of a tmpfs file across a process-image restore), so
         # that what is found is something else.
         self.avoid_known = avoid_known
         self.n = 0
@@ -197,6 +198,10 @@ class Generator:
         if op == "mkfifo":
             return [["mkfifo", p + "-fifo"]]
         if op == "chattr":
+            if self.avoid_known and DIRS[d] != "rootfs":
+                # a tmpfs file's inode flags are lost by a process-image restore (found by
+                # the oracle, 2026-12-06-skip-instant; not fixed yet)
+                return [["chattr", f"/work/{name}", r.choice(["+A", "-A"])]]
             return [["chattr", p, r.choice(["+A", "-A"])]]  # FS_IOC_SETFLAGS on a read-only fd
         if op == "chmod":
             return [["chmod", p, r.choice(["600", "755", "4755"])]]
