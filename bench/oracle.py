@@ -19,6 +19,7 @@ The generator (seeded, `Generator`) draws turns from a catalogue of effects
 (see EFFECT_KINDS): every file-changing syscall family the stdlib reaches,
 and io_uring (raw rings: write, openat, unlinkat, renameat, with and without
 SQPOLL), on the rootfs
+inode flags (chattr +A/-A by FS_IOC_SETFLAGS),
 and on each tmpfs, by absolute and relative paths, dir fds and symlinks into
 other mounts; background workers whose timers fire 0-500 ms around the turn's
 end or during the LLM wait, writing files, memory only, memory with no system
@@ -27,7 +28,8 @@ a child, pending signals, io_uring chains (timeout, write, ...) the kernel
 runs for them in task work or its iou-sqp thread; kills, renames (comm);
 what a later turn's new process does to an older worker that does not run
 (OTHER_OPS, PRIO_OPS): write through a file description taken from it
-(pidfd_getfd), change or remove its SysV message queue, semaphores or
+(pidfd_getfd), append to or truncate a deleted file it holds through
+/proc/PID/fd/N, change or remove its SysV message queue, semaphores or
 segment by id, renice it, change an rlimit (prlimit) or its scheduling
 policy, leave bytes queued in its pipe, FIFO, unix socket or inotify
 queue; and faults: the sandbox
@@ -67,11 +69,12 @@ LINKS = {"/work/shm": "/dev/shm", "/work/devo": "/dev/oracle", "/dev/shm/work": 
 NAMES = ["f0", "f1", "f2", "f3"]
 FILE_OPS = ["write", "append", "pwrite", "writev", "at", "cdwrite", "rename", "exchange", "link", "symlink",
             "unlink", "truncate", "fallocate", "punch", "cfr", "splice", "sendfile", "mmapw", "xattr", "rmxattr",
-            "mkfifo", "chmod", "mkdir-rmdir", "uring"]
-WORKER_KINDS = ["file", "mem", "spin", "sysv", "shanon", "sig", "uring", "uringsq", "hold", "ipc", "queue"]
+            "mkfifo", "chmod", "mkdir-rmdir", "uring", "chattr"]
+WORKER_KINDS = ["file", "mem", "spin", "sysv", "shanon", "sig", "uring", "uringsq", "hold", "holddel", "ipc", "queue"]
 # What a later turn's new process does to an older worker that is not running
 # (each fixed in crabd's inspector: tests/integration/ebpf/test_other_process_effects.py)
-OTHER_OPS = {"hold": ["getfd", "held:rm", "held:mv"], "ipc": ["ipc:msgsnd", "ipc:msgrm", "ipc:semset", "ipc:semrm", "ipc:shmw", "ipc:shmrm"],
+OTHER_OPS = {"hold": ["getfd", "held:rm", "held:mv"], "holddel": ["heldfd:append", "heldfd:truncate"],
+             "ipc": ["ipc:msgsnd", "ipc:msgrm", "ipc:semset", "ipc:semrm", "ipc:shmw", "ipc:shmrm"],
              "queue": ["queue:pipe", "queue:fifo", "queue:unix", "queue:inotify"]}
 PRIO_OPS = ["prio:nice", "prio:rlimit", "prio:sched"]
 # The agent's LLM waits drawn while no worker timer is pending (see Generator.session).
@@ -123,7 +126,8 @@ class Generator:
         # killed around a capture; B: worker timers that may fire right after
         # crabd's pause; C: tmpfs reached by a relative path or a symlink),
         # nor of a loss found since and not fixed (events queued in an older
-        # process's inotify instance: a restore gives it back empty), so
+        # process's inotify instance: a restore gives it back empty; inode
+        # flags of a tmpfs file across a process-image restore), so
         # that what is found is something else.
         self.avoid_known = avoid_known
         self.n = 0
@@ -193,6 +197,12 @@ class Generator:
             return [["uring", how, p + "-u" if how == "openat" else p, arg, sq]]
         if op == "mkfifo":
             return [["mkfifo", p + "-fifo"]]
+        if op == "chattr":
+            if self.avoid_known and DIRS[d] != "rootfs":
+                # a tmpfs file's inode flags are lost by a process-image restore (found by
+                # the oracle, 2026-12-06-skip-instant; not fixed yet)
+                return [["chattr", f"/work/{name}", r.choice(["+A", "-A"])]]
+            return [["chattr", p, r.choice(["+A", "-A"])]]  # FS_IOC_SETFLAGS on a read-only fd
         if op == "chmod":
             return [["chmod", p, r.choice(["600", "755", "4755"])]]
         return [["mkdir", p + "-dir"], ["rmdir", p + "-dir"]] if r.random() < 0.5 else [["mkdir", p + "-dir"]]
@@ -220,9 +230,10 @@ class Generator:
                 kinds += ["proc:double-fork", f"bg:{kind}",
                           "bg:timer-at-turn-end" if delay <= 500 else "bg:timer-in-llm-wait"]
                 path = "-"
-                if kind == "hold":
+                if kind in ("hold", "holddel"):
                     path = r.choice([f"/work/oracle-hold-{name}", f"/dev/shm/oracle-hold-{name}"])
-                    held[name] = path
+                    if kind == "hold":
+                        held[name] = path  # (holddel unlinks it at once: only its fd names it)
                     kinds.append("mount:rootfs" if path.startswith("/work") else "mount:tmpfs:/dev/shm")
                 if kind in ("uring", "uringsq"):
                     # the kernel writes the log for it (task work, iou-sqp thread)

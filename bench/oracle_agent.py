@@ -203,6 +203,24 @@ def op_chmod(p, mode):
     os.chmod(p, int(mode, 8), follow_symlinks=False)
 
 
+FS_IOC_GETFLAGS, FS_IOC_SETFLAGS, FS_NOATIME_FL = 0x80086601, 0x40086602, 0x80
+
+
+def op_chattr(p, how):
+    """chattr +A / -A: the inode's no-atime flag by FS_IOC_SETFLAGS, on a
+    file opened read-only (no traced call names a change)."""
+    import fcntl
+    fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    try:
+        buf = bytearray(4)
+        fcntl.ioctl(fd, FS_IOC_GETFLAGS, buf, True)
+        flags = struct.unpack("<i", buf)[0]
+        flags = flags | FS_NOATIME_FL if how == "+A" else flags & ~FS_NOATIME_FL
+        fcntl.ioctl(fd, FS_IOC_SETFLAGS, struct.pack("<i", flags))
+    finally:
+        os.close(fd)
+
+
 # --- io_uring (raw system calls: the stdlib has no binding) ------------------------------------
 SYS_IO_URING_SETUP, SYS_IO_URING_ENTER = 425, 426  # x86_64
 IORING_SETUP_SQPOLL = 1 << 1
@@ -390,6 +408,21 @@ def op_getfd(name, data):
         os.close(pidfd)
 
 
+def op_heldfd(name, how, data):
+    """Write the deleted file an older worker holds (kind `holddel`) through
+    /proc/PID/fd/N: append to it, or truncate it to a length."""
+    for pid in _workers(name):
+        p = f"/proc/{pid}/fd/{HOLD_FD}"
+        if how == "append":
+            fd = os.open(p, os.O_WRONLY | os.O_APPEND)
+            os.write(fd, bytes.fromhex(data))
+            os.close(fd)
+        elif how == "truncate":
+            os.truncate(p, int(data[:4], 16) % 300)
+        else:
+            raise ValueError(f"heldfd: unknown {how}")
+
+
 def op_ipc(name, what, data="00"):
     """Change or remove the worker's SysV IPC objects by id (no msgget/semget/shmget)."""
     with open(f"/work/oracle-ipc-{name}") as f:
@@ -516,6 +549,14 @@ class Worker:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             os.dup2(fd, HOLD_FD)
             os.close(fd)
+        elif kind == "holddel":
+            # a file it holds and then unlinks: only its fd names it (a
+            # later turn writes it through /proc/PID/fd/N)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.write(fd, os.urandom(64).hex().encode())
+            os.dup2(fd, HOLD_FD)
+            os.close(fd)
+            os.unlink(path)
         elif kind == "ipc":
             self._ipc_objects()
         elif kind == "queue":

@@ -3,12 +3,14 @@
 crabd's promise is that checkpoint k restores exactly the sandbox's state at
 its capture instant. This module lets a benchmark check that promise:
 
-* `record_at_capture` is the daemon's one hook (`crabd serve --oracle DIR`,
-  called from `Daemon._capture`, crabd/daemon/pipeline.py): while the sandbox's cgroup is frozen at the
-  very instant crabd captures checkpoint k (inside crabd's own freeze for FS
-  and FS_PROC; for SKIP, which takes no freeze, inside one the oracle takes
-  right before the commit, with the inspector told as for crabd's own pause),
-  it writes DIR/<k>.json.zst: the record `read_state` makes of the live sandbox.
+* `record_at_capture` and `open_at_plan` are the daemon's hooks (`crabd serve
+  --oracle DIR`, called from `Daemon._capture`, crabd/daemon/pipeline.py, and
+  where a turn's plan is made, crabd/daemon/turns.py): while the sandbox's
+  cgroup is frozen at the instant checkpoint k claims (inside crabd's own
+  freeze for FS and FS_PROC; for SKIP, which takes no freeze, inside one the
+  oracle takes right when its plan is made, with the inspector told as for
+  crabd's own pause), they write DIR/<k>.json.zst: the record `read_state`
+  makes of the live sandbox.
 * `read_state` is that record: every entry of every mount the sandbox has
   that holds state (its root, /dev, /dev/shm, any other tmpfs or bind),
   read from the host through /proc/<init>/root one component at a time,
@@ -42,6 +44,7 @@ worker) and its comparison belong together: `compare` reads exactly what
 from __future__ import annotations
 
 import base64
+import contextlib
 import errno
 import json
 import os
@@ -115,13 +118,41 @@ class _HashCache:
 _CACHE = _HashCache(time.time_ns())
 
 
-def _hash_file(dir_fd: int, name: bytes) -> tuple[str, bytes | None]:
+_FS_IOC_GETFLAGS = 0x80086601
+
+
+def _inode_flags(fd: int) -> str:
+    """The inode's flags (FS_IOC_GETFLAGS, what lsattr shows: +A, +i, ...) in
+    hex, "" where the file system has none; a lost flag is a difference."""
+    import fcntl
+    buf = bytearray(4)
+    try:
+        fcntl.ioctl(fd, _FS_IOC_GETFLAGS, buf, True)
+    except OSError:
+        return ""
+    return f"{int.from_bytes(buf, 'little'):x}"
+
+
+def _dir_flags(dir_fd: int, name: bytes) -> str:
+    try:
+        fd = os.open(name, _O_DIR, dir_fd=dir_fd)
+    except OSError:
+        return ""
+    try:
+        return _inode_flags(fd)
+    finally:
+        os.close(fd)
+
+
+def _hash_file(dir_fd: int, name: bytes, flags: list[str] | None = None) -> tuple[str, bytes | None]:
     import blake3
     fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     h = blake3.blake3()
     head = bytearray()
     keep = name.startswith(APPEND_PREFIX.encode())
     try:
+        if flags is not None:
+            flags.append(_inode_flags(fd))
         while True:
             b = os.read(fd, 1 << 20)
             if not b:
@@ -153,27 +184,32 @@ def _xattrs(dir_fd: int, name: bytes) -> str:
 
 
 def _describe(dir_fd: int, name: bytes, st: os.stat_result, cache: _HashCache) -> str:
-    """One entry as `kind|mode|uid:gid|nlink|size|content|target|rdev|xattrs|data` (mtimes left out:
-    a restore need not keep them; content is what matters)."""
+    """One entry as `kind|mode|uid:gid|nlink|size|content|target|rdev|xattrs|data|flags` (mtimes left
+    out: a restore need not keep them; content is what matters; flags: a file's or directory's
+    inode flags, FS_IOC_GETFLAGS)."""
     kind = _KIND.get(stat.S_IFMT(st.st_mode), "?")
     old = st.st_ctime_ns <= cache.before_ns
     key = (name, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode, st.st_uid, st.st_gid)
     if old and key in cache.hashes and not name.startswith(APPEND_PREFIX.encode()):
         cache.hits += 1
         return cache.hashes[key]
-    content = target = data = ""
+    content = target = data = flags = ""
     size = st.st_size if kind in ("f", "l") else 0
     if kind == "f":
         cache.hashed += 1
-        content, head = _hash_file(dir_fd, name)
+        got: list[str] = []
+        content, head = _hash_file(dir_fd, name, got)
         data = base64.b64encode(head).decode() if head is not None else ""
+        flags = got[0] if got else ""
+    elif kind == "d":
+        flags = _dir_flags(dir_fd, name)
     elif kind == "l":
         target = os.readlink(name, dir_fd=dir_fd).hex()  # type: ignore[arg-type]
     rdev = f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}" if kind in ("c", "b") else ""
     xa = _xattrs(dir_fd, name) if kind in ("f", "d") else ""
     nlink = st.st_nlink if kind != "d" else 0  # a dir's link count is the file system's business
     desc = "|".join((kind, f"{stat.S_IMODE(st.st_mode):o}", f"{st.st_uid}:{st.st_gid}", str(nlink), str(size),
-                     content, target, rdev, xa, data))
+                     content, target, rdev, xa, data, flags))
     if old:
         cache.hashes[key] = desc
     return desc
@@ -442,6 +478,8 @@ def _fds(hp: int) -> dict[str, str]:
             if kind == "anon_inode":
                 kind = link  # anon_inode:inotify, anon_inode:[io_uring], ...
             desc = f"{kind} pos={info.get('pos', '').strip()} flags={info.get('flags', '').strip()}"
+            if kind == "file" and link.endswith(" (deleted)"):
+                desc += _held_deleted(hp, n)
             if kind in ("pipe", "socket", "anon_inode:inotify") or (kind == "file" and os.path.exists(
                     f"/proc/{hp}/fd/{n}") and stat.S_ISFIFO(os.stat(f"/proc/{hp}/fd/{n}").st_mode)):
                 copy = libc.syscall(_SYS_PIDFD_GETFD, pidfd, int(n), 0) if pidfd >= 0 else -1
@@ -480,6 +518,28 @@ def _fds(hp: int) -> dict[str, str]:
         if pidfd >= 0:
             os.close(pidfd)
     return out
+
+
+def _held_deleted(hp: int, n: str) -> str:
+    """A deleted regular file a worker holds: its size, content digest and
+    inode flags, read through the worker's fd (/proc/PID/fd/N opens the
+    inode itself). Only its fds name it: a later turn's process may write
+    it through /proc/PID/fd/N, and only the process image keeps it."""
+    import blake3
+    try:
+        fd = os.open(f"/proc/{hp}/fd/{n}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        return f" deleted=E{e.errno}"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return ""
+        h = blake3.blake3()
+        while b := os.read(fd, 1 << 20):
+            h.update(b)
+        return f" deleted size={st.st_size} content={h.hexdigest()[:32]} iflags={_inode_flags(fd)}"
+    finally:
+        os.close(fd)
 
 
 def read_ipc(init_pid: int) -> dict[str, str] | None:
@@ -665,18 +725,86 @@ def record_at_capture(daemon: Any, ck: Any) -> None:
 
         def checkpoint(key: str, *args: Any, **kw: Any) -> Any:
             c = armed.pop(kw.get("name") or "", None)
-            if c is not None:
+            if c is not None:  # (a SKIP made FS by its capture: its truth is this instant's)
                 _record(daemon, c, frozen_by="crabd")
             return fs_checkpoint(key, *args, **kw)
 
         def commit_checkpoint(cid: str, **fields: Any) -> Any:
             c = armed.pop(cid, None)
-            if c is not None:
-                _record_frozen(daemon, c)
+            if c is not None and cid not in _at_plan(daemon):
+                _record_frozen(daemon, c)  # (a SKIP's truth was taken when its plan was made: open_at_plan)
+            _at_plan(daemon).discard(cid)
             return commit(cid, **fields)
 
         daemon.fs.checkpoint, daemon.store.commit_checkpoint = checkpoint, commit_checkpoint
     armed[ck.id] = ck
+
+
+def _at_plan(daemon: Any) -> set[str]:
+    """The checkpoints whose truth `open_at_plan` recorded (SKIP at their plan)."""
+    got = getattr(daemon, "_oracle_at_plan", None)
+    if got is None:
+        got = daemon._oracle_at_plan = set()
+    return got
+
+
+def open_at_plan(daemon: Any, sid: str, effects: Any, open_checkpoint: Any) -> Any:
+    """Open a turn's checkpoint row (`open_checkpoint()`, where its plan is
+    made, right after the inspector closed the turn) and, when that plan is
+    SKIP, record its ground truth at that instant (oracle mode only; worker
+    thread): a SKIP claims the state the turn left, and whatever a
+    background worker does after the turn's end belongs to the next turn in
+    crabd's model; read later (in the capture job, after the scheduler's
+    queue) the truth would hold that work and the comparison with the
+    parent's restore would report the oracle's own read instant.
+
+    Only a turn the classifier calls SKIP can end with a SKIP plan (a
+    manual checkpoint, a blind record and the capture modes only raise it),
+    so only those are frozen: from before the row is opened to after the
+    read, told to the inspector as crabd's own pause is (its wake-ups are
+    not the next turn's activity). What it costs that turn, in oracle mode
+    only: a freeze, the read (0.5-1.5 s on debian-py at load 2-25) and the
+    inspector's re-baseline (up to its settle time), before the reply.
+    A SKIP that its capture turns into FS (its parent not durable) is
+    recorded again in crabd's freeze (`record_at_capture`)."""
+    import ebpf
+
+    from .runtime.cgroups import Freezer
+    if ebpf.classify(effects).kind.value != "SKIP":
+        return open_checkpoint()
+    try:
+        sb = daemon.runtime.get(sid)
+        freezer: Any = Freezer(daemon.runtime.layout, sb.cgroup_rel)
+        freezer.freeze()
+    except Exception:
+        freezer = None  # not running: nothing moves
+    d: dict[str, float] = {}
+    ck = None
+    try:
+        with daemon._inspector_pause(sid, d) if freezer is not None else _nothing():
+            try:
+                ck = open_checkpoint()
+                if ck.plan == "SKIP":
+                    try:
+                        _record(daemon, ck, frozen_by="oracle-plan" if freezer is not None else None)
+                        _at_plan(daemon).add(ck.id)
+                    except Exception:
+                        import logging
+                        logging.getLogger(__name__).warning("oracle: recording %s failed", ck.id, exc_info=True)
+            finally:
+                if freezer is not None:
+                    freezer.thaw()
+    except Exception:
+        if ck is None:
+            raise
+        import logging
+        logging.getLogger(__name__).warning("oracle: the pause for %s failed", ck.id, exc_info=True)
+    return ck
+
+
+@contextlib.contextmanager
+def _nothing() -> Iterator[None]:
+    yield
 
 
 def _record_frozen(daemon: Any, ck: Any) -> None:
@@ -718,7 +846,7 @@ def _record(daemon: Any, ck: Any, frozen_by: str | None) -> None:
 
 
 # --- comparison (pure) -----------------------------------------------------------------------------
-_FIELDS = ("kind", "mode", "owner", "nlink", "size", "content", "target", "rdev", "xattrs", "data")
+_FIELDS = ("kind", "mode", "owner", "nlink", "size", "content", "target", "rdev", "xattrs", "data", "flags")
 
 
 @dataclass
@@ -754,7 +882,7 @@ def _worker_of(path: str) -> str | None:
 
 def _grew(truth: str, restored: str) -> bool:
     t, r = _fields(truth), _fields(restored)
-    same = all(t.get(k) == r.get(k) for k in ("kind", "mode", "owner", "target", "rdev", "xattrs"))
+    same = all(t.get(k) == r.get(k) for k in ("kind", "mode", "owner", "target", "rdev", "xattrs", "flags"))
     if not same or t.get("kind") != "f":
         return False
     tb, rb = base64.b64decode(t.get("data", "")), base64.b64decode(r.get("data", ""))
@@ -788,6 +916,36 @@ def _compare_pages(pid: str, t: dict[str, Any] | None, r: dict[str, Any] | None,
     return True
 
 
+def _held(p: dict[str, Any]) -> dict[str, str]:
+    """The deleted files a process holds, by fd (`_held_deleted`'s part of its fds)."""
+    return {n: d.split(" deleted", 1)[1] for n, d in (p.get("fds") or {}).items() if " deleted" in d}
+
+
+_SIGCHLD_BIT = 1 << (17 - 1)
+
+
+def _signals(p: dict[str, Any]) -> dict[str, str]:
+    """A process's signal masks as compared. A SIGCHLD pending on crabd's own
+    init (crabd/runtime/init.c) is left out: the init blocks every signal and
+    reads them from a signalfd, and all it does on SIGCHLD is `reap_all()`
+    (waitpid(-1, WNOHANG) until none), which it also runs after every wake-up
+    of its loop; so the pending bit changes nothing it will do (a zombie whose
+    SIGCHLD was lost is reaped at its next wake-up, the next exec at the
+    latest, and zombies are not in the record). It is set for a moment after
+    each of its children exits (a turn's command, the parent of a double
+    fork), so whether a record holds it is the read instant's artefact: seen
+    in a SKIP's truth, not in its parent's image, which did not have that
+    child at all. CRIU keeps pending signals of the processes it dumps."""
+    sig = dict(p.get("signals") or {})
+    if ".crabd-init" in (p.get("cmdline") or ""):
+        for k in ("SigPnd", "ShdPnd"):
+            try:
+                sig[k] = f"{int(sig.get(k) or '0', 16) & ~_SIGCHLD_BIT:016x}"
+            except ValueError:
+                pass
+    return sig
+
+
 def compare(truth: dict[str, Any], restored: dict[str, Any]) -> list[Difference]:
     """What differs between the ground truth of a checkpoint and the state of
     its restored fork; empty when the restore is exact (up to the fork's own
@@ -807,12 +965,14 @@ def compare(truth: dict[str, Any], restored: dict[str, Any]) -> list[Difference]
             if t.get(k) != r.get(k):
                 out.append(Difference("process", pid, k, t.get(k), r.get(k)))
         ran = _compare_pages(pid, t.get("page"), r.get("page"), out, prog)
-        if t["signals"] != r["signals"] and not ran:
+        if _signals(t) != _signals(r) and not ran:
             out.append(Difference("process", pid, "signals", t["signals"], r["signals"]))
         if t.get("shared", {}) != r.get("shared", {}) and not ran:
             out.append(Difference("app", pid, "shared memory", t.get("shared"), r.get("shared")))
         if t.get("fds") != r.get("fds") and not ran:
             out.append(Difference("process", pid, "fds", t.get("fds"), r.get("fds")))
+        elif _held(t) != _held(r):  # no worker writes the deleted file it holds: its progress excuses nothing
+            out.append(Difference("process", pid, "held deleted file", _held(t), _held(r)))
     # A SysV segment a worker that ran on after the restore has attached
     # (its `shared` region holds the same bytes) changed with its progress
     ran_sysv = {h for pid, p in rp.items() if p.get("page") and p["page"]["name"] in prog.advanced

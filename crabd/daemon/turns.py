@@ -17,7 +17,7 @@ import asyncio
 import shlex
 import sqlite3
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..errors import CrabdError, NotFound, SandboxNotRunning
 from ..runtime import pid_alive
@@ -64,7 +64,8 @@ class TurnLoop(DaemonBase):
             effects = await asyncio.to_thread(self.inspector.end_turn, row.id)  # settles, scans memory file systems
             t.last_end = time.monotonic()
             died = t.init_pid is not None and not pid_alive(t.init_pid)
-            ck = await asyncio.to_thread(self._open_checkpoint, row, turn, effects, died=died, blind=t.blind)
+            ck = await asyncio.to_thread(self._open_at_plan, row.id, effects, lambda: self._open_checkpoint(
+                row, turn, effects, died=died, blind=t.blind))
             wall = time.monotonic() - t_exec
             # The time line's record of the turn (the checkpoint row has no
             # command): bounded, a command line can be megabytes.
@@ -114,7 +115,8 @@ class TurnLoop(DaemonBase):
             row = await asyncio.to_thread(self.store.get_sandbox, row.id)
             effects = await asyncio.to_thread(self.inspector.end_turn, row.id)  # settles, scans memory file systems
             t.last_end = time.monotonic()
-            ck = await asyncio.to_thread(self._open_checkpoint, row, row.turn + 1, effects, blind=t.blind)
+            ck = await asyncio.to_thread(self._open_at_plan, row.id, effects, lambda: self._open_checkpoint(
+                row, row.turn + 1, effects, blind=t.blind))
             t.capture = asyncio.ensure_future(self._run_capture(row.id, ck))
             self.inspector.begin_turn(row.id)
             return {"turn": row.turn + 1, "checkpoint": ck.id, "plan": ck.plan, "reasons": ck.reasons,
@@ -144,6 +146,15 @@ class TurnLoop(DaemonBase):
         except Exception:
             pass  # a failed capture is recorded on its checkpoint; the turn goes on
         return time.monotonic() - t0
+
+    def _open_at_plan(self, sid: str, effects: Any, open_checkpoint: Callable[[], CheckpointRow]) -> CheckpointRow:
+        """Open the turn's checkpoint row (its plan is made here); in oracle
+        mode, a SKIP's ground truth is recorded at this instant, the sandbox
+        frozen (crabd/oracle.py `open_at_plan`). Worker thread."""
+        if not self.options.oracle_dir:
+            return open_checkpoint()
+        from ..oracle import open_at_plan
+        return open_at_plan(self, sid, effects, open_checkpoint)
 
     def _open_checkpoint(self, row: SandboxRow, turn: int, effects: Any, manual: bool = False,
                          died: bool = False, blind: str | None = None) -> CheckpointRow:

@@ -279,3 +279,135 @@ def test_a_segment_a_worker_that_ran_on_wrote_is_accepted():
     stuck = _with_worker(_record(ipc={"shm:0": "key=0 perms=600 size=4096 uid=0:0 data=22"}), t_page,
                          shared={"sysv@7f00": "22"})
     assert [(x.where, x.what) for x in compare(truth, stuck)] == [("app", "shared memory"), ("ipc", "changed")]
+
+
+def test_a_sigchld_pending_on_crabd_s_init_is_not_a_difference_but_other_signals_are():
+    """crabd-init reaps on every wake-up, SIGCHLD or not: a pending SIGCHLD
+    (ShdPnd 0x10000, seen in a SKIP's truth right after the turn's command
+    exited) changes nothing it does; on a worker it would be a loss."""
+    truth = _record()
+    truth["processes"]["1"]["signals"]["ShdPnd"] = "0000000000010000"
+    assert compare(truth, _record()) == []
+    truth["processes"]["1"]["signals"]["ShdPnd"] = "0000000000010800"  # and SIGUSR2 (bit 11): a difference
+    assert [x.what for x in compare(truth, _record())] == ["signals"]
+    page = _page("w1", 1, "a" * 64, [(1, "a" * 32)])
+    t2, r2 = _with_worker(_record(), page), _with_worker(_record(), page)
+    t2["processes"]["7"]["signals"]["ShdPnd"] = "0000000000010000"
+    assert [(x.path, x.what) for x in compare(t2, r2)] == [("7", "signals")]
+
+
+def test_a_skip_s_truth_is_recorded_when_its_plan_is_made_and_not_again_at_its_commit(tmp_path):
+    """oracle.open_at_plan (crabd/daemon/turns.py): a turn the classifier
+    calls SKIP is frozen from before its row is opened to after the read
+    (told to the inspector); its commit records nothing more. A turn that
+    is not SKIP is neither frozen nor read there."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from crabd.oracle import load_record, open_at_plan, record_at_capture
+    from ebpf import Effects, Sample
+    calls: list[str] = []
+
+    class Freezer:
+        def __init__(self, layout, rel):
+            pass
+
+        def freeze(self):
+            calls.append("freeze")
+
+        def thaw(self):
+            calls.append("thaw")
+
+    class Runtime:
+        layout = None
+
+        def get(self, sid):
+            return SimpleNamespace(cgroup_rel="x", pid=None, status="stopped")
+
+    @contextlib.contextmanager
+    def pause(sid, d):
+        calls.append("before_pause")
+        yield
+        calls.append("after_pause")
+
+    daemon = SimpleNamespace(
+        options=SimpleNamespace(oracle_dir=str(tmp_path)), runtime=Runtime(), _inspector_pause=pause,
+        fs=SimpleNamespace(checkpoint=lambda key, name=None: calls.append(f"snapshot {name}")),
+        store=SimpleNamespace(commit_checkpoint=lambda cid, **f: calls.append(f"commit {cid}")))
+    import crabd.runtime.cgroups as cg
+    real, cg.Freezer = cg.Freezer, Freezer
+    try:
+        skip = SimpleNamespace(id="sb-2", sandbox_id="sb", turn=2, plan="SKIP")
+        quiet = Effects(sandbox_id="sb", turn=2, source="bpf-cgroup")
+        got = open_at_plan(daemon, "sb", quiet, lambda: calls.append("open") and None or skip)
+        assert got is skip
+        assert calls == ["freeze", "before_pause", "open", "thaw", "after_pause"]
+        rec = load_record(tmp_path / "sb-2.json.zst")
+        assert (rec["checkpoint"], rec["plan"], rec["frozen_by"]) == ("sb-2", "SKIP", "oracle-plan")
+        (tmp_path / "sb-2.json.zst").unlink()
+        record_at_capture(daemon, skip)
+        daemon.store.commit_checkpoint("sb-2")
+        assert not (tmp_path / "sb-2.json.zst").exists()  # not read again at the commit
+        calls.clear()
+        fs = SimpleNamespace(id="sb-3", sandbox_id="sb", turn=3, plan="FS")
+        wrote = Effects(sandbox_id="sb", turn=3, source="bpf-cgroup", files={"write": Sample(count=1, sample=["/a"])})
+        assert open_at_plan(daemon, "sb", wrote, lambda: fs) is fs
+        assert calls == [] and not (tmp_path / "sb-3.json.zst").exists()
+    finally:
+        cg.Freezer = real
+
+
+def test_inode_flags_are_in_the_tree_record_and_a_lost_one_is_a_difference(tmp_path):
+    """chattr +A (FS_IOC_SETFLAGS) changes no byte, mode nor xattr: the
+    record keeps the inode's flags, so a restore that lost one differs."""
+    import pytest
+
+    from bench.oracle_agent import op_chattr
+    (tmp_path / "f").write_bytes(b"x")
+    top = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        before = _walk_mount(top, (), _HashCache(0))
+        try:
+            op_chattr(str(tmp_path / "f"), "+A")
+        except OSError as e:
+            pytest.skip(f"{tmp_path}'s file system has no inode flags: {e}")
+        after = _walk_mount(top, (), _HashCache(0))
+    finally:
+        os.close(top)
+    assert before["f"] != after["f"]
+    truth, restored = _record(), _record()
+    truth["mounts"]["/"]["entries"]["work/a"] = after["f"]
+    restored["mounts"]["/"]["entries"]["work/a"] = before["f"]
+    assert [(x.path, x.what) for x in compare(truth, restored)] == [("/work/a", "flags")]
+
+
+def test_a_held_deleted_file_s_content_is_recorded_through_the_holder_s_fd(tmp_path):
+    """A deleted file only a worker's fd names: written through /proc/PID/fd/N
+    by a later turn, its content is in the record of the worker's fds."""
+    from crabd.oracle import _held_deleted
+    p = tmp_path / "held"
+    fd = os.open(p, os.O_RDWR | os.O_CREAT)
+    try:
+        os.write(fd, b"abc")
+        os.unlink(p)
+        a = _held_deleted(os.getpid(), str(fd))
+        w = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_APPEND)
+        os.write(w, b"d")
+        os.close(w)
+        b = _held_deleted(os.getpid(), str(fd))
+        os.truncate(f"/proc/self/fd/{fd}", 1)
+        c = _held_deleted(os.getpid(), str(fd))
+    finally:
+        os.close(fd)
+    assert "size=3" in a and "size=4" in b and "size=1" in c
+    assert len({x.split("content=")[1] for x in (a, b, c)}) == 3
+
+
+def test_a_held_deleted_file_that_differs_is_reported_even_when_its_worker_ran_on():
+    truth = _with_worker(_record(), _page("w1", 1, "a" * 64, [(1, "a" * 32)]))
+    truth["processes"]["7"]["fds"] = {"9": "file pos=0 flags=02 deleted size=4 content=aa iflags=0"}
+    restored = _with_worker(_record(), _page("w1", 2, "b" * 64, [(1, "a" * 32), (2, "b" * 32)]))
+    restored["processes"]["7"]["fds"] = {"9": "file pos=0 flags=02 deleted size=3 content=bb iflags=0"}
+    assert [(x.path, x.what) for x in compare(truth, restored)] == [("7", "held deleted file")]
+    restored["processes"]["7"]["fds"] = dict(truth["processes"]["7"]["fds"])
+    assert compare(truth, restored) == []
