@@ -88,13 +88,42 @@ def is_sandbox_init(pid: int, cgroup_rel: str) -> bool:
     return any(ln.split(":", 2)[-1] == cgroup_rel for ln in cgroups.splitlines())
 
 
+def dying(status: str) -> bool:
+    """Pure: does a /proc/PID/status text say the task is exiting (a zombie or
+    dead) or has a SIGKILL pending?"""
+    fields = dict(ln.split(":", 1) for ln in status.splitlines() if ":" in ln)
+    if fields.get("State", "").split()[:1] in (["Z"], ["X"]):
+        return True
+    sigkill = 1 << 8  # signal 9's bit in the pending masks
+    for key in ("SigPnd", "ShdPnd"):
+        try:
+            if int(fields.get(key, "0").strip(), 16) & sigkill:
+                return True
+        except ValueError:
+            pass
+    return False
+
+
 def find_init(procs: Path, cgroup_rel: str) -> int | None:
-    """The host pid of the sandbox's PID 1 among `procs` (its cgroup.procs)."""
+    """The host pid of the sandbox's PID 1 among `procs` (its cgroup.procs).
+    An init being killed is passed over: right after a standby's promotion
+    the old init, SIGKILLed, can still be in the cgroup with its channel
+    open, and a command sent to it died with it unreported (seen once in CI
+    at load ~20: `python3 was killed before it could report`)."""
     try:
         pids = [int(x) for x in procs.read_text().split()]
     except (OSError, ValueError):
         return None
-    return next((p for p in sorted(pids) if is_sandbox_init(p, cgroup_rel)), None)
+    for p in sorted(pids):
+        if not is_sandbox_init(p, cgroup_rel):
+            continue
+        try:
+            if dying(Path(f"/proc/{p}/status").read_text()):
+                continue
+        except OSError:
+            continue
+        return p
+    return None
 
 
 def connect(init_pid: int, cgroup_rel: str) -> socket.socket:

@@ -86,3 +86,14 @@ def test_all_output_in_the_pipes_at_the_exit_report_is_read(monkeypatch):
     cap = channel.run(a, ["sh"], [], "/", stdin=b"", timeout=30, cap=2 << 20)
     t.join(10)
     assert cap.status == "X 0" and len(cap.stdout) == 1 << 20 and cap.stdout_dropped == 0
+
+
+def test_an_init_being_killed_is_not_the_channels_init():
+    from crabd.runtime.channel import dying
+    live = "Name:\t.crabd-init\nState:\tS (sleeping)\nSigPnd:\t0000000000000000\nShdPnd:\t0000000000000000\n"
+    assert not dying(live)
+    assert dying(live.replace("ShdPnd:\t0000000000000000", "ShdPnd:\t0000000000000100"))  # SIGKILL pending
+    assert dying(live.replace("SigPnd:\t0000000000000000", "SigPnd:\t0000000000000100"))
+    assert not dying(live.replace("ShdPnd:\t0000000000000000", "ShdPnd:\t0000000000010000"))  # SIGCHLD only
+    assert dying(live.replace("S (sleeping)", "Z (zombie)"))
+    assert dying(live.replace("S (sleeping)", "X (dead)"))
