@@ -101,3 +101,23 @@ def test_capture_reads_all_the_command_wrote_however_late_it_looks(monkeypatch):
     r.DRAIN_AFTER_EXIT = 0.0
     c = r.capture([sys.executable, "-c", WRITE_MIB_AND_EXIT], timeout=30, input=None, cap=2 << 20)
     assert c.returncode == 0 and len(c.stdout) == 1 << 20 and c.stdout_dropped == 0
+
+
+def test_a_status_line_written_as_the_wrapper_goes_is_read():
+    # `runc exec --detach`'s wrapper writes its status and is gone by the
+    # time capture sees runc exit: the line is in the fifo, unread. The
+    # output pipes are at EOF already, so the end-of-command drain empties
+    # them and the loop ends before a select reports the fifo ready; the
+    # line must still be read (it was lost: "killed before it could report").
+    r, w = os.pipe()
+    try:
+        def gone_after_reporting() -> bool:
+            os.write(w, b"X 0\n")
+            return False
+
+        c = SubprocessRunner().capture(["true"], timeout=10, input=None, cap=1000, status_fd=r,
+                                       still_running=gone_after_reporting)
+        assert c.status == "X 0" and c.returncode == 0, c
+    finally:
+        os.close(r)
+        os.close(w)
