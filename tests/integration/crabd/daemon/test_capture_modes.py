@@ -65,7 +65,8 @@ async def one_mode(d: Daemon, mode: str) -> None:
             r = await d.exec(sid, cmd)
             assert r["exit_code"] == 0, (mode, r)
             cids.append(r["checkpoint"])
-        assert [d.store.get_checkpoint(c).plan for c in cids] == EXPECTED[mode], mode
+        got = [d.store.get_checkpoint(c) for c in cids]
+        assert [k.plan for k in got] == EXPECTED[mode], (mode, [(k.plan, k.reasons) for k in got])
         cks = await settled(d, cids)
         for k in cks:
             d.store.verify(k)  # the late-filled bytes are signed too

@@ -297,7 +297,7 @@ def test_socket_metrics_openapi_and_cli(crabd):
     sid = json.loads(out.stdout)["id"]
     r = subprocess.run([CRABD, "exec", *sock, "--json", sid, "--", "sh", "-c", "echo hi > /f; exit 3"],
                        capture_output=True, text=True)
-    assert r.returncode == 3 and json.loads(r.stdout)["plan"] == "FS"
+    assert r.returncode == 3 and json.loads(r.stdout)["plan"] == "FS", r.stdout
     r = subprocess.run([CRABD, "checkpoint", "ls", sid, "--json", *sock], capture_output=True, text=True)
     assert [k["seq"] for k in json.loads(r.stdout)["checkpoints"]] == [0, 1]
     r = subprocess.run([CRABD, "rollback", sid, "--to", "0", "--json", *sock], capture_output=True, text=True)
