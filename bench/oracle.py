@@ -323,7 +323,8 @@ class Generator:
 
 
 # --- the run ----------------------------------------------------------------------------------------
-def _freezer_dir(pid: int) -> Path:
+def freezer_dir(pid: int) -> Path:
+    """The freezer cgroup directory of host pid `pid` (v1's, else the unified one)."""
     with open(f"/proc/{pid}/cgroup") as f:
         for line in f:
             _, ctl, path = line.rstrip("\n").split(":", 2)
@@ -334,7 +335,8 @@ def _freezer_dir(pid: int) -> Path:
     raise RuntimeError(f"no freezer cgroup for pid {pid}")
 
 
-def _set_frozen(d: Path, frozen: bool) -> None:
+def set_frozen(d: Path, frozen: bool) -> None:
+    """Freeze or thaw cgroup `d`, waiting until a v1 freezer says it is done."""
     if (d / "freezer.state").exists():
         (d / "freezer.state").write_text("FROZEN" if frozen else "THAWED")
         want = "FROZEN" if frozen else "THAWED"
@@ -575,15 +577,15 @@ class Oracle:
         info = wait_until(lambda: (lambda i: i if i.get("status") == "running" and i.get("pid") else None)(
             self.client().sandbox(sid)), "sandbox running", timeout=60, interval=0.01)
         pid = info["pid"]  # type: ignore[index]
-        fz = _freezer_dir(pid)
-        _set_frozen(fz, True)
+        fz = freezer_dir(pid)
+        set_frozen(fz, True)
         if out is not None:
             out.took("read_fork.wait_running_freeze", t0)
         t0 = time.monotonic()
         try:
             return read_state(pid, fz / "cgroup.procs", cache=self.cache)
         finally:
-            _set_frozen(fz, False)
+            set_frozen(fz, False)
             if out is not None:
                 out.took("read_fork.read_state", t0)
 

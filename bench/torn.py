@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.oracle import freezer_dir, set_frozen
 from crabd.testing import DaemonHandle, cleanup_state_dir, settled_checkpoint, wait_until
 
 IMAGE = "debian-py"
@@ -123,7 +124,7 @@ def image_pages(image_dir: Path) -> dict[str, bytes]:
 
 def live_pages(pid: int) -> dict[str, bytes]:
     """{pid (in the sandbox): the page at ADDR} of every process of the frozen cgroup of `pid`."""
-    procs = _freezer(pid) / "cgroup.procs"
+    procs = freezer_dir(pid) / "cgroup.procs"
     out: dict[str, bytes] = {}
     for p in procs.read_text().split():
         try:
@@ -138,22 +139,6 @@ def live_pages(pid: int) -> dict[str, bytes]:
         except OSError:
             pass
     return out
-
-
-def _freezer(pid: int) -> Path:
-    with open(f"/proc/{pid}/cgroup") as f:
-        for line in f:
-            _, ctl, path = line.rstrip("\n").split(":", 2)
-            if "freezer" in ctl.split(","):
-                return Path("/sys/fs/cgroup/freezer") / path.lstrip("/")
-    raise RuntimeError(f"no v1 freezer cgroup for pid {pid}")
-
-
-def _set_frozen(d: Path, frozen: bool) -> None:
-    want = "FROZEN" if frozen else "THAWED"
-    (d / "freezer.state").write_text(want)
-    wait_until(lambda: (d / "freezer.state").read_text().strip() == want, f"freezer {want}", timeout=30,
-               interval=0.001)
 
 
 class Run:
@@ -256,12 +241,12 @@ class Run:
         try:
             info = wait_until(lambda: (lambda i: i if i.get("status") == "running" and i.get("pid") else None)(
                 c.sandbox(fid)), "fork running", timeout=60, interval=0.005)
-            fz = _freezer(info["pid"])  # type: ignore[index]
-            _set_frozen(fz, True)
+            fz = freezer_dir(info["pid"])  # type: ignore[index]
+            set_frozen(fz, True)
             try:
                 pages = live_pages(info["pid"])  # type: ignore[index]
             finally:
-                _set_frozen(fz, False)
+                set_frozen(fz, False)
             burst = {p: b for p, b in pages.items() if b[48:53] == b"burst"}
             if len(burst) != self.a.burst:
                 with self.lock:
