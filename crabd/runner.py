@@ -25,7 +25,7 @@ from typing import Callable, Protocol
 
 from .errors import CommandFailed
 
-__all__ = ["Completed", "Captured", "CappedOutput", "Runner", "SubprocessRunner", "read_ready", "drain_now"]
+__all__ = ["Completed", "Captured", "CappedOutput", "Runner", "SubprocessRunner", "read_ready", "take", "drain_now"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,17 @@ def read_ready(fd: int) -> bytes | None:
         return None
 
 
+def take(sel: selectors.BaseSelector, key: selectors.SelectorKey) -> bytes | None:
+    """One read of the pipe registered as `key`: its bytes, or None when
+    nothing is ready or it is at end of file (then it is unregistered)."""
+    fd = key.fileobj if isinstance(key.fileobj, int) else key.fileobj.fileno()  # type: ignore[union-attr]
+    chunk = read_ready(fd)
+    if chunk == b"":
+        sel.unregister(key.fileobj)
+        return None
+    return chunk
+
+
 #: The most `drain_now` reads from one pipe (a background child that keeps
 #: writing cannot hold the reader there).
 DRAIN_LIMIT = 16 << 20
@@ -94,15 +105,8 @@ def drain_now(sel: selectors.BaseSelector, output: CappedOutput) -> None:
     unmarked (a 1 MiB output came back 8,075 bytes short, 1 in ~150 execs
     at load 15)."""
     for key in [k for k in sel.get_map().values() if k.data in ("out", "err")]:
-        fd = key.fileobj if isinstance(key.fileobj, int) else key.fileobj.fileno()  # type: ignore[union-attr]
         taken = 0
-        while taken < DRAIN_LIMIT:
-            chunk = read_ready(fd)
-            if chunk is None:
-                break
-            if not chunk:
-                sel.unregister(key.fileobj)
-                break
+        while taken < DRAIN_LIMIT and (chunk := take(sel, key)):
             output.add(key.data, chunk)
             taken += len(chunk)
 
@@ -232,12 +236,8 @@ class SubprocessRunner:
                         sel.unregister(key.fileobj)
                         p.stdin.close()  # type: ignore[union-attr]
                     continue
-                fd = key.fileobj if isinstance(key.fileobj, int) else key.fileobj.fileno()  # type: ignore[union-attr]
-                chunk = read_ready(fd)
-                if chunk is None:
-                    continue
+                chunk = take(sel, key)
                 if not chunk:
-                    sel.unregister(key.fileobj)
                     continue
                 if key.data == "status":
                     status += chunk

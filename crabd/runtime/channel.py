@@ -53,7 +53,7 @@ from typing import Callable, Sequence
 
 from deltacr.netns import in_netns
 
-from ..runner import Captured, CappedOutput, drain_now, read_ready
+from ..runner import Captured, CappedOutput, drain_now, take
 
 __all__ = ["NAME", "Unavailable", "find_init", "connect", "run"]
 
@@ -311,13 +311,9 @@ def _follow_loop(s: socket.socket, in_w: int, close_stdin: Callable[[], None], o
                         final = text
                 lines.clear()
                 continue
-            got = read_ready(out_r if key.data == "out" else err_r)
-            if got is None:
-                continue
-            if not got:
-                sel.unregister(key.fileobj)
-                continue
-            output.add(key.data, got)
+            got = take(sel, key)
+            if got:
+                output.add(key.data, got)
     sel.close()
     if refused is not None:
         raise Unavailable(f"the init refused the request: {refused}")

@@ -78,7 +78,7 @@ def test_all_output_in_the_pipes_at_the_exit_report_is_read(monkeypatch):
     def slow(fd):
         time.sleep(0.02)
         return fast(fd)
-    monkeypatch.setattr(channel, "read_ready", slow)
+    monkeypatch.setattr(runner, "read_ready", slow)  # every read of the channel goes through runner.take
     monkeypatch.setattr(channel, "DRAIN_AFTER_EXIT", 0.0)
     a, b = socket.socketpair()
     t = threading.Thread(target=_fake_init, args=(b,))
