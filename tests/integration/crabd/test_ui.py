@@ -101,6 +101,20 @@ def settled(api: As, sid: str) -> None:
              what=f"{sid}'s captures")
 
 
+def one_turn_sandbox(api: As, name: str, cmd: str) -> str:
+    """A busybox sandbox named `name` after one turn `cmd`, its capture done."""
+    sid = api.ok("POST", "/v1/sandboxes", json={"image": "busybox", "name": name})["id"]
+    api.ok("POST", f"/v1/sandboxes/{sid}/exec", json={"cmd": cmd})
+    settled(api, sid)
+    return sid
+
+
+def show_host(page: Any, forwarder: str, sid: str) -> None:
+    """The host view, loaded through the forwarder, with `sid`'s row drawn."""
+    page.goto(forwarder)
+    page.wait_for_selector(f"#host-table tr[data-sandbox='{sid}']")
+
+
 def not_injected(pg: Any) -> None:
     assert pg.dialogs == [], pg.dialogs
     assert pg.evaluate("window.__pwned === undefined"), "markup from the daemon's data ran as script"
@@ -120,8 +134,7 @@ def test_tree_after_rollback_and_fork_then_rollback_through_the_page(live, forwa
     forks = api.ok("POST", f"/v1/checkpoints/{sid}-2/fork", json={"count": 2})["sandboxes"]
     assert len(forks) == 2
 
-    page.goto(forwarder)
-    page.wait_for_selector(f"#host-table tr[data-sandbox='{sid}']")
+    show_host(page, forwarder, sid)
     page.screenshot(path=str(SHOTS / "host.png"), full_page=True)
     page.click(f"#host-table tr[data-sandbox='{sid}'] a")
     page.wait_for_selector(f"#sb-tree tr[data-checkpoint='{sid}-4']")
@@ -202,11 +215,8 @@ def test_preview_of_a_cross_branch_rollback_lists_only_what_it_leaves_behind(liv
 def test_live_death_and_recovery_appear_without_reload(live, forwarder, page) -> None:
     d, base = live
     api = admin(base)
-    sid = api.ok("POST", "/v1/sandboxes", json={"image": "busybox", "name": "ui-death"})["id"]
-    api.ok("POST", f"/v1/sandboxes/{sid}/exec", json={"cmd": "echo x > /root/x"})
-    settled(api, sid)
-    page.goto(forwarder)
-    page.wait_for_selector(f"#host-table tr[data-sandbox='{sid}']")
+    sid = one_turn_sandbox(api, "ui-death", "echo x > /root/x")
+    show_host(page, forwarder, sid)
     page.wait_for_selector("#live:text('live')")
     page.evaluate("window.__same_page = true")
     pid = api.ok("GET", f"/v1/sandboxes/{sid}")["pid"]
@@ -257,8 +267,7 @@ def test_hostile_command_file_and_effect_show_as_text(live, forwarder, page) -> 
     api.ok("POST", f"/v1/effects/{eff['effect']['id']}/commit", json={})
     settled(api, sid)
 
-    page.goto(forwarder)
-    page.wait_for_selector(f"#host-table tr[data-sandbox='{sid}']")
+    show_host(page, forwarder, sid)
     page.goto(forwarder.split("/ui/login")[0] + f"/ui/#/sb/{sid}")
     page.wait_for_selector("#sb-turns tbody tr")
     assert HOSTILE_CMD in page.inner_text("#sb-turns")
@@ -281,11 +290,8 @@ def test_sandbox_view_loads_with_one_request(live, forwarder, page) -> None:
     event after the load still refreshes the view."""
     d, base = live
     api = admin(base)
-    sid = api.ok("POST", "/v1/sandboxes", json={"image": "busybox", "name": "ui-one"})["id"]
-    api.ok("POST", f"/v1/sandboxes/{sid}/exec", json={"cmd": "echo one > /root/one"})
-    settled(api, sid)
-    page.goto(forwarder)
-    page.wait_for_selector(f"#host-table tr[data-sandbox='{sid}']")
+    sid = one_turn_sandbox(api, "ui-one", "echo one > /root/one")
+    show_host(page, forwarder, sid)
     page.goto(forwarder.split("/ui/login")[0] + f"/ui/#/sb/{sid}")
     page.wait_for_selector("#sb-turns tbody tr")
     seen: list[str] = []
