@@ -1,4 +1,5 @@
-"""Fakes of deltacr's command seam, so unit tests drive real logic without root.
+"""Fakes of deltacr's command seam, so unit tests drive real logic without root,
+and CRIU image bytes made by hand (`pb_varint`, `pagemap_image`).
 
     fake = FakeCommandRunner()
     fake.on("--version", output=b"Version: 4.1.1\\n")
@@ -9,11 +10,38 @@
 from __future__ import annotations
 
 import os
+import struct
 from dataclasses import dataclass, field
 
 from .runc import Result
 
-__all__ = ["FakeCommandRunner"]
+__all__ = ["FakeCommandRunner", "pb_varint", "pagemap_image"]
+
+# CRIU's image magic of pagemap-*.img (criu/include/magic.h: PAGEMAP_MAGIC after IMG_COMMON)
+PAGEMAP_HEAD = b"\x19\x43\x56\x54\x25\x40\x08\x56"
+
+
+def pb_varint(n: int) -> bytes:
+    """A protobuf varint."""
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _entry(fields: dict[int, int]) -> bytes:
+    body = b"".join(pb_varint(num << 3) + pb_varint(v) for num, v in fields.items())
+    return struct.pack("<I", len(body)) + body
+
+
+def pagemap_image(pages_id: int, runs: list[tuple[int, int]], flags: int = 4) -> bytes:
+    """A pagemap-*.img: its head (pages_id), then one entry per (vaddr, pages) run (flags 4: PE_PRESENT)."""
+    data = PAGEMAP_HEAD + _entry({1: pages_id})
+    for va, nr in runs:
+        data += _entry({1: va, 2: nr, 4: flags})
+    return data
 
 
 @dataclass

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import bench.torn as T
 from crabd.oracle import parse_state_page
+from deltacr.testing import pagemap_image
 
 
 def _writes(n0: int, n1: int) -> list[tuple[int, int]]:
@@ -52,26 +53,9 @@ def test_a_copy_racing_the_writes_fails() -> None:
     assert T.check_page(s5) is not None
 
 
-def _varint(v: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = v & 0x7F
-        v >>= 7
-        out.append(b | (0x80 if v else 0))
-        if not v:
-            return bytes(out)
-
-
-def _entry(msg: bytes) -> bytes:
-    return struct.pack("<I", len(msg)) + msg
-
-
 def test_image_pages_finds_the_state_page(tmp_path: Path) -> None:
-    pm = b"\0" * 8 + _entry(b"\x08" + _varint(7))
     runs = [(0x400000, 2), (T.ADDR - 4096, 3)]
-    for va, nr in runs:
-        pm += _entry(b"\x08" + _varint(va) + b"\x10" + _varint(nr) + b"\x20" + _varint(1 << 2))
-    (tmp_path / "pagemap-33.img").write_bytes(pm)
+    (tmp_path / "pagemap-33.img").write_bytes(pagemap_image(7, runs))
     state = bytes(_page(_writes(0, 3)))
     pages = [b"a" * 4096, b"b" * 4096, b"c" * 4096, state, b"d" * 4096]
     (tmp_path / "pages-7.img").write_bytes(b"".join(pages))

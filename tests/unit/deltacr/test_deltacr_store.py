@@ -7,36 +7,15 @@ import pytest
 from deltacr import (CHUNK_SIZE, AlreadyExists, ImageCorrupted, ImageStore, InvalidArgument, NotFound, chunk_spans,
                      parse_pagemap)
 from deltacr.store import linked_remaps
+from deltacr.testing import pagemap_image, pb_varint
 
 PAGE = 4096
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _msg(fields: dict[int, int]) -> bytes:
-    body = b"".join(_varint(num << 3) + _varint(v) for num, v in fields.items())
-    return struct.pack("<I", len(body)) + body
-
-
-def pagemap(pages_id: int, runs: list[tuple[int, int]], flags: int = 4) -> bytes:
-    data = b"\x19\x43\x56\x54\x25\x40\x08\x56" + _msg({1: pages_id})
-    for va, nr in runs:
-        data += _msg({1: va, 2: nr, 4: flags})
-    return data
 
 
 def write_image(d, runs, fill, extra=b"core"):
     """A fake CRIU image: pagemap-1.img naming pages-1.img, plus a metadata file."""
     d.mkdir(parents=True, exist_ok=True)
-    (d / "pagemap-1.img").write_bytes(pagemap(1, runs))
+    (d / "pagemap-1.img").write_bytes(pagemap_image(1, runs))
     pages = bytearray()
     for va, nr in runs:
         for i in range(nr):
@@ -51,9 +30,9 @@ def page_of(va: int) -> bytes:
 
 
 def test_parse_pagemap_keeps_present_runs_in_order():
-    data = pagemap(2, [(0x400000, 3), (0x7F0000000000, 1)])
+    data = pagemap_image(2, [(0x400000, 3), (0x7F0000000000, 1)])
     assert parse_pagemap(data) == (2, [(0x400000, 3), (0x7F0000000000, 1)])
-    lazy_parent = pagemap(1, [(0x1000, 1)], flags=1)  # PE_PARENT: pages live in the parent image
+    lazy_parent = pagemap_image(1, [(0x1000, 1)], flags=1)  # PE_PARENT: pages live in the parent image
     assert parse_pagemap(lazy_parent) == (1, [])
     with pytest.raises(ValueError):
         parse_pagemap(data[:-3])
@@ -170,23 +149,14 @@ def test_logs_are_kept_next_to_the_image(tmp_path):
     assert (store.log_dir("c1") / "dump.log").read_text().startswith("(00.1)")
 
 
-def _pb_varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b, n = n & 0x7F, n >> 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
 def _pb(fields: list[tuple[int, object]]) -> bytes:
     out = b""
     for num, v in fields:
         if isinstance(v, int):
-            out += _pb_varint(num << 3) + _pb_varint(v)
+            out += pb_varint(num << 3) + pb_varint(v)
         else:
             data = v.encode() if isinstance(v, str) else v
-            out += _pb_varint(num << 3 | 2) + _pb_varint(len(data)) + data
+            out += pb_varint(num << 3 | 2) + pb_varint(len(data)) + data
     return out
 
 
