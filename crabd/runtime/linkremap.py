@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from deltacr.store import linked_remaps
+from deltafs.tree import open_dir, open_rel
 
 __all__ = ["link_open_unlinked", "unlink_all", "prepare_restore", "cleanup_restore", "LINK_PREFIX", "journal",
            "recover"]
@@ -53,9 +54,36 @@ LINK_PREFIX = ".crabd-link-remap."
 _DELETED = " (deleted)"
 
 
-def _inside(rootfs: Path, path: str) -> Path:
-    """`path` as the sandbox sees it, on the host under `rootfs`."""
-    return rootfs / path.lstrip("/")
+def _parent_fd(rootfs: Path, path: str) -> tuple[int, str]:
+    """The directory of `path` (as the sandbox sees it) under `rootfs`,
+    opened one component at a time without following a symlink (the
+    sandbox's symlinks never lead crabd outside it), and the last name."""
+    parent, _, name = path.strip("/").rpartition("/")
+    root = open_dir(str(rootfs))
+    try:
+        return open_rel(root, os.fsencode(parent)), name
+    finally:
+        os.close(root)
+
+
+def _unlink_inside(rootfs: Path, path: str) -> None:
+    fd, name = _parent_fd(rootfs, path)
+    try:
+        os.unlink(name, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def _link_inside(rootfs: Path, src: str, dst: str) -> None:
+    sfd, sname = _parent_fd(rootfs, src)
+    try:
+        dfd, dname = _parent_fd(rootfs, dst)
+        try:
+            os.link(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd, follow_symlinks=False)
+        finally:
+            os.close(dfd)
+    finally:
+        os.close(sfd)
 
 
 def _mnt_id(fd: int) -> int | None:
@@ -170,10 +198,12 @@ def recover(state_dir: Path) -> int:
             rootfs = Path(data["rootfs"])
             for r in data["links"]:
                 try:
-                    os.unlink(_inside(rootfs, r["link"]))
+                    _unlink_inside(rootfs, r["link"])
                     n += 1
                 except FileNotFoundError:
                     pass
+                except OSError:
+                    log.warning("could not remove %s from %s", r["link"], rootfs, exc_info=True)
         except (OSError, ValueError, KeyError, TypeError):
             log.warning("link-remap journal %s", path, exc_info=True)
         _drop_journal(path)
@@ -211,7 +241,7 @@ def unlink_all(rootfs: Path, remaps: list[dict[str, Any]], journal_path: Path | 
     """Remove the links `remaps` names from `rootfs`, then `journal_path`."""
     for r in remaps:
         try:
-            os.unlink(_inside(rootfs, r["link"]))
+            _unlink_inside(rootfs, r["link"])
         except FileNotFoundError:
             pass
         except OSError:
@@ -234,7 +264,7 @@ def prepare_restore(rootfs: Path, image_dir: Path, remaps: list[dict[str, Any]],
         if name is None:
             continue
         try:
-            os.link(_inside(rootfs, r["link"]), _inside(rootfs, name))
+            _link_inside(rootfs, r["link"], name)
         except FileExistsError:
             pass
         except OSError:
